@@ -1,0 +1,15 @@
+"""Models: GPT-2-family causal LMs and their per-example loss."""
+
+from .factory import build_random_gpt2, lm_head_is_tied, load_pretrained, untie_lm_head
+from .lm import IGNORE_INDEX, hidden_matrices, per_example_lm_loss, position_ids_for
+
+__all__ = [
+    "IGNORE_INDEX",
+    "build_random_gpt2",
+    "hidden_matrices",
+    "lm_head_is_tied",
+    "load_pretrained",
+    "per_example_lm_loss",
+    "position_ids_for",
+    "untie_lm_head",
+]

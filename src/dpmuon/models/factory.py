@@ -1,0 +1,61 @@
+"""Model construction: hub / local GPT-2 checkpoints, or a random-init GPT-2 architecture."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+
+def build_random_gpt2(
+    vocab_size: int,
+    n_layer: int = 2,
+    n_embd: int = 128,
+    n_head: int = 4,
+    n_positions: int = 256,
+    tie_embeddings: bool = True,
+    dropout: float = 0.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+) -> GPT2LMHeadModel:
+    """A randomly initialized GPT-2-architecture model (the offline stand-in for pretrained GPT-2)."""
+    eos = vocab_size - 1 if eos_token_id is None else eos_token_id
+    config = GPT2Config(
+        bos_token_id=eos,
+        eos_token_id=eos,
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        tie_word_embeddings=tie_embeddings,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT2LMHeadModel(config)
+
+
+def load_pretrained(name_or_path: str, dropout: float | None = None) -> nn.Module:
+    """A causal LM from a hub id or a local directory."""
+    kwargs = {}
+    if dropout is not None:
+        kwargs.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def untie_lm_head(model: nn.Module) -> None:
+    """Give the LM head its own copy of the token embedding (a separate block and parameter)."""
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    if head is None or head.weight is not embedding.weight:
+        return
+    head.weight = nn.Parameter(embedding.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+
+
+def lm_head_is_tied(model: nn.Module) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight

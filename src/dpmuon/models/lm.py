@@ -1,0 +1,60 @@
+"""The causal-LM pieces the privatizer needs: per-example losses and the hidden matrices."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+IGNORE_INDEX = -100
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Batch-shaped, contiguous position ids that skip left padding.
+
+    GPT-2 otherwise builds ids of shape [1, T]; per-example gradients of the position embedding
+    need one row per example.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0).contiguous()
+
+
+def per_example_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """[B] mean next-token NLL over each example's supervised (label ≠ -100) tokens.
+
+    Per-example rather than per-lot mean so that example i's gradient is ∇ℓ_i — the object
+    the privatizer clips. Examples without supervised tokens get loss 0.
+    """
+    attention_mask = batch["attention_mask"]
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=attention_mask,
+        position_ids=position_ids_for(attention_mask),
+    ).logits
+    labels = batch["labels"][:, 1:]
+    token_nll = F.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    counts = (labels != IGNORE_INDEX).sum(1)
+    return token_nll.sum(1) / counts.clamp_min(1)
+
+
+def hidden_matrices(model: nn.Module) -> dict[str, str]:
+    """Trainable weight matrices of the Linear / Conv1D layers inside the network body.
+
+    Excludes the input and output embeddings (token embedding, LM head). Values give the
+    storage layout: nn.Linear stores (out, in), HF Conv1D stores (in, out).
+    """
+    excluded = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if module is not None:
+            excluded.add(id(module.weight))
+    found = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, Conv1D)) and module.weight.requires_grad and id(module.weight) not in excluded:
+            prefix = f"{module_name}." if module_name else ""
+            found[f"{prefix}weight"] = "in_out" if isinstance(module, Conv1D) else "out_in"
+    return found

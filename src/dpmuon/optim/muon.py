@@ -1,0 +1,188 @@
+"""Muon (and its bias-corrected variant) as post-processing of the released gradient.
+
+The optimizer reads p.grad — for a private run that is the released g̃ and nothing else — and
+the public per-entry noise std of g̃ for each matrix (`release_noise_std`), which it carries
+through the momentum recursion to know the noise std of every matrix it orthogonalizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable, Mapping
+
+import torch
+
+from .bias_correction import bias_corrected_newton_schulz
+from .momentum import MomentumRule
+from .newton_schulz import newton_schulz
+
+UPDATE_SCALES = ("adam_rms", "reference", "none")
+LAYOUTS = ("out_in", "in_out")
+
+
+def update_scale_factor(rule: str, shape: torch.Size, layout: str = "out_in") -> float:
+    """Learning-rate multiplier for an orthogonalized update of a (stored) matrix shape.
+
+    "reference": sqrt(max(1, fan_out/fan_in)) as in reference Muon (HF Conv1D stores weights as
+    (in, out), hence `layout`); "adam_rms": 0.2·sqrt(max(m, n)), which makes the update's RMS
+    match a typical Adam update; "none": 1.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown matrix layout {layout!r}; expected one of {LAYOUTS}")
+    rows, cols = shape[-2], shape[-1]
+    fan_out, fan_in = (rows, cols) if layout == "out_in" else (cols, rows)
+    if rule == "reference":
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if rule == "adam_rms":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if rule == "none":
+        return 1.0
+    raise ValueError(f"unknown update scale {rule!r}; expected one of {UPDATE_SCALES}")
+
+
+def estimate_snr(matrix: torch.Tensor, noise_std: float) -> float:
+    """Signal-to-noise of a noisy matrix from released quantities only.
+
+    ‖M‖_F² − s²·m·n is unbiased for the energy of the noise-free matrix, so the ratio to the
+    noise energy s²·m·n estimates the SNR (clamped at 0; inf without noise).
+    """
+    noise_energy = noise_std**2 * matrix.numel()
+    if noise_energy == 0:
+        return math.inf
+    signal_energy = float(matrix.float().pow(2).sum()) - noise_energy
+    return max(signal_energy, 0.0) / noise_energy
+
+
+class Muon(torch.optim.Optimizer):
+    """Momentum + Newton–Schulz orthogonalization for 2-D matrices; optional DP-MuonBC."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        momentum_kind: str = "heavy_ball",
+        nesterov: bool = False,
+        ns_steps: int = 5,
+        ns_coefficients="quintic",
+        ns_normalize: str = "frobenius",
+        ns_dtype: torch.dtype | None = None,
+        update_scale: str = "adam_rms",
+        weight_decay: float = 0.0,
+        bias_correction: bool = False,
+        probe_scale: float = 1.0,
+        num_probes: int = 1,
+        min_snr: float | None = None,
+        release_noise_std: Mapping[torch.Tensor, float] | None = None,
+        layouts: Mapping[torch.Tensor, str] | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        MomentumRule.create(momentum, momentum_kind, nesterov)  # validates early
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            momentum_kind=momentum_kind,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_normalize=ns_normalize,
+            update_scale=update_scale,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            probe_scale=probe_scale,
+            num_probes=num_probes,
+            min_snr=min_snr,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon only updates matrices; got a parameter of shape {tuple(p.shape)}")
+                update_scale_factor(group["update_scale"], p.shape)  # validates early
+        release_noise_std = release_noise_std or {}
+        layouts = layouts or {}
+        self._release_std = {p: float(release_noise_std.get(p, 0.0)) for g in self.param_groups for p in g["params"]}
+        self._layout = {p: layouts.get(p, "out_in") for g in self.param_groups for p in g["params"]}
+        self.ns_dtype = ns_dtype
+        self.generator = generator
+        # Last step's SNR estimate of the matrix fed to Newton–Schulz, per parameter.
+        self.snr: dict[torch.Tensor, float] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        rule = MomentumRule.create(group["momentum"], group["momentum_kind"], group["nesterov"])
+        # Matrices of equal shape and correction mode are orthogonalized in one batched call.
+        pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, float]]] = defaultdict(list)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            update, noise_std = self._momentum_update(p, p.grad, rule)
+            snr = estimate_snr(update, noise_std)
+            self.snr[p] = snr
+            correct = (
+                group["bias_correction"]
+                and noise_std > 0
+                and (group["min_snr"] is None or snr > group["min_snr"])
+            )
+            pending[(tuple(p.shape), correct)].append((p, update, noise_std))
+
+        ns_kwargs = dict(
+            steps=group["ns_steps"],
+            coefficients=group["ns_coefficients"],
+            normalize=group["ns_normalize"],
+            dtype=self.ns_dtype,
+        )
+        for (_, correct), items in pending.items():
+            matrices = torch.stack([u for _, u, _ in items])
+            if correct:
+                stds = torch.tensor([s for _, _, s in items], dtype=matrices.dtype, device=matrices.device)
+                ortho = bias_corrected_newton_schulz(
+                    matrices,
+                    stds.view(-1, 1, 1),
+                    probe_scale=group["probe_scale"],
+                    num_probes=group["num_probes"],
+                    generator=self.generator,
+                    **ns_kwargs,
+                )
+            else:
+                ortho = newton_schulz(matrices, **ns_kwargs)
+            for (p, _, _), o in zip(items, ortho):
+                scale = update_scale_factor(group["update_scale"], p.shape, self._layout[p])
+                if group["weight_decay"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(o.to(p.dtype), alpha=-group["lr"] * scale)
+
+    def _momentum_update(self, p: torch.Tensor, grad: torch.Tensor, rule: MomentumRule):
+        """Advance the buffer of p; return the matrix to orthogonalize and its noise std."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            state["buffer_noise_var"] = 0.0
+        buf = state["momentum_buffer"]
+        grad = grad.float()
+        grad_var = self._release_std[p] ** 2
+        update_var = rule.update_variance(state["buffer_noise_var"], grad_var)
+        state["buffer_noise_var"] = rule.buffer_variance(state["buffer_noise_var"], grad_var)
+        if rule.gain == 1.0:
+            buf.mul_(rule.decay).add_(grad)
+        else:
+            buf.lerp_(grad, rule.gain)  # EMA: β·m + (1−β)·g
+        if rule.grad_weight == 0.0:
+            update = buf
+        elif rule.grad_weight == 1.0:
+            update = grad.add(buf, alpha=rule.buffer_weight)
+        else:
+            update = grad.lerp(buf, rule.buffer_weight)  # EMA Nesterov: (1−β)·g + β·m
+        return update, math.sqrt(update_var)

@@ -1,0 +1,41 @@
+"""The private release: sample → clip → noise → account. Nothing else in dpmuon reads data
+under the privacy guarantee; everything downstream is post-processing of the release."""
+
+from .accountant import (
+    ACCOUNTANTS,
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    epsilon_after,
+    plan_steps,
+)
+from .blocks import Block, BlockPartition, build_partition
+from .clipping import clip_factors, per_example_block_norms
+from .engines import ENGINES, build_engine
+from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
+from .privatizer import NonFiniteReleaseError, NonPrivateRelease, Privatizer, ReleaseStats
+from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler
+
+__all__ = [
+    "ACCOUNTANTS",
+    "Block",
+    "BlockPartition",
+    "ENGINES",
+    "GaussianNoise",
+    "NonFiniteReleaseError",
+    "NonPrivateRelease",
+    "PoissonLotSampler",
+    "PrivacyAccountant",
+    "Privatizer",
+    "ReleaseStats",
+    "ShuffleLotSampler",
+    "block_noise_stds",
+    "build_engine",
+    "build_lot_sampler",
+    "build_partition",
+    "calibrate_noise_multiplier",
+    "clip_factors",
+    "effective_noise_multiplier",
+    "epsilon_after",
+    "per_example_block_norms",
+    "plan_steps",
+]

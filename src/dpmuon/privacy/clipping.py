@@ -1,0 +1,56 @@
+"""Per-example, per-block clip factors from per-example gradient norms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from .blocks import BlockPartition
+
+
+def per_example_block_norms(partition: BlockPartition, squared_norms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[B, K] Frobenius norms of each example's gradient restricted to each block.
+
+    squared_norms: parameter name → [B] per-example squared gradient norms (fp32).
+    """
+    columns = []
+    for block in partition.blocks:
+        columns.append(torch.stack([squared_norms[name] for name in block.params]).sum(0))
+    return torch.stack(columns, dim=1).clamp_min(0).sqrt()
+
+
+def clip_factors(block_norms: torch.Tensor, thresholds: Sequence[float]) -> torch.Tensor:
+    """[B, K] factors min(1, C_W/‖g_i,W‖) so that ‖c·g_i,W‖ ≤ C_W.
+
+    An example whose gradient is not finite in any block gets factor 0 in every block: it
+    contributes nothing to the release (the caller must also zero its non-finite entries,
+    since 0·NaN is NaN).
+    """
+    C = torch.as_tensor(thresholds, dtype=block_norms.dtype, device=block_norms.device)
+    factors = (C / block_norms.clamp_min(torch.finfo(block_norms.dtype).tiny)).clamp(max=1.0)
+    finite = torch.isfinite(block_norms).all(dim=1, keepdim=True)
+    return torch.where(finite, factors, torch.zeros_like(factors))
+
+
+@dataclass
+class ClipStats:
+    """Non-private diagnostics of one micro-batch (computed from raw per-example gradients)."""
+
+    examples: int
+    clipped: torch.Tensor  # [K] examples whose block norm exceeded C_W
+    norm_sum: float  # Σ_i ‖g_i‖ over finite examples (all blocks jointly)
+    nonfinite: int  # examples dropped for NaN/inf gradients
+
+    @classmethod
+    def from_norms(cls, block_norms: torch.Tensor, thresholds: Sequence[float]) -> "ClipStats":
+        C = torch.as_tensor(thresholds, dtype=block_norms.dtype, device=block_norms.device)
+        finite = torch.isfinite(block_norms).all(dim=1)
+        total = block_norms[finite].pow(2).sum(1).sqrt()
+        return cls(
+            examples=int(block_norms.shape[0]),
+            clipped=(block_norms[finite] > C).sum(0).cpu(),
+            norm_sum=float(total.sum()),
+            nonfinite=int((~finite).sum()),
+        )

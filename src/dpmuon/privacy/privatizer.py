@@ -1,0 +1,151 @@
+"""The privatizer: the only code that touches private data.
+
+One step: (the caller samples a lot) → per-example gradients → per-block clipping → joint
+Gaussian noise → released gradient g̃_W = (Σ_i H_i,W + noise_W) / B_expected, written to p.grad
+→ one accountant step. Optimizers only ever read p.grad afterwards: post-processing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .accountant import PrivacyAccountant
+from .blocks import BlockPartition
+from .engines import PerExampleLoss, build_engine
+from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
+
+
+class NonFiniteReleaseError(RuntimeError):
+    """The released gradient is not finite: stop rather than corrupt the model."""
+
+
+@dataclass
+class ReleaseStats:
+    """What one step saw, computed from raw per-example values: non-private diagnostics."""
+
+    lot_size: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    norm_sum: float = 0.0
+    nonfinite: int = 0
+    clipped: torch.Tensor | None = None  # [K] examples clipped per block
+
+    @property
+    def train_loss(self) -> float:
+        return self.loss_sum / self.loss_count if self.loss_count else math.nan
+
+    @property
+    def mean_grad_norm(self) -> float:
+        finite = self.lot_size - self.nonfinite
+        return self.norm_sum / finite if finite else math.nan
+
+    def clip_fraction(self) -> list[float]:
+        finite = self.lot_size - self.nonfinite
+        if self.clipped is None or finite == 0:
+            return []
+        return (self.clipped.double() / finite).tolist()
+
+
+@dataclass
+class Privatizer:
+    """Clip → noise → release → account, for one model and one block partition."""
+
+    model: nn.Module
+    partition: BlockPartition
+    noise_multiplier: float
+    expected_lot_size: float
+    sample_rate: float
+    accountant: PrivacyAccountant
+    noise: GaussianNoise = field(default_factory=GaussianNoise)
+    noise_allocation: str = "uniform"
+    engine: str = "opacus"
+
+    def __post_init__(self):
+        if self.expected_lot_size <= 0:
+            raise ValueError(f"expected lot size must be > 0, got {self.expected_lot_size}")
+        self._engine = build_engine(self.engine, self.model, self.partition)
+        self.params = self._engine.params
+        self.block_stds = block_noise_stds(self.partition, self.noise_multiplier, self.noise_allocation)
+        self.effective_noise_multiplier = effective_noise_multiplier(self.partition, self.block_stds)
+
+    def release_noise_std(self) -> dict[str, float]:
+        """Public per-entry noise std of g̃ for each parameter: std_W / B_expected."""
+        block_of = self.partition.block_index()
+        return {n: self.block_stds[block_of[n]] / self.expected_lot_size for n in self.params}
+
+    def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> ReleaseStats:
+        """Privatize one lot (given as physical micro-batches) into p.grad and account for it."""
+        summed = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
+        stats = ReleaseStats(clipped=torch.zeros(len(self.partition), dtype=torch.long))
+        for batch in micro_batches:
+            part, losses, clip = self._engine.clipped_sum(batch, loss_fn)
+            for name, tensor in part.items():
+                summed[name] += tensor
+            finite = torch.isfinite(losses)
+            stats.lot_size += clip.examples
+            stats.loss_sum += float(losses[finite].sum())
+            stats.loss_count += int(finite.sum())
+            stats.norm_sum += clip.norm_sum
+            stats.nonfinite += clip.nonfinite
+            stats.clipped += clip.clipped
+
+        block_of = self.partition.block_index()
+        for name, p in self.params.items():
+            std = self.block_stds[block_of[name]]
+            noisy = summed[name]
+            if std > 0:
+                noisy += std * self.noise.standard_normal(noisy.shape, noisy.device)
+            released = (noisy / self.expected_lot_size).to(p.dtype)
+            if not torch.isfinite(released).all():
+                raise NonFiniteReleaseError(
+                    f"released gradient of {name} is not finite; refusing to update the model "
+                    "(check the learning rate and the data of this lot)"
+                )
+            p.grad = released
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        return stats
+
+    def epsilon(self) -> float:
+        return self.accountant.epsilon()
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+class NonPrivateRelease:
+    """The non-private reference with the privatizer's interface: p.grad = mean gradient of the
+    lot, no clipping, no noise, nothing accounted."""
+
+    def __init__(self, model: nn.Module):
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.model = model
+        self.noise_multiplier = 0.0
+
+    def release_noise_std(self) -> dict[str, float]:
+        return {n: 0.0 for n in self.params}
+
+    def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> ReleaseStats:
+        for p in self.params.values():
+            p.grad = None
+        stats = ReleaseStats()
+        for batch in micro_batches:
+            losses = loss_fn(self.model, batch)
+            losses.sum().backward()
+            stats.lot_size += int(losses.shape[0])
+            stats.loss_sum += float(losses.detach().sum())
+            stats.loss_count += int(losses.shape[0])
+        for p in self.params.values():
+            if p.grad is not None and stats.lot_size:
+                p.grad /= stats.lot_size
+        return stats
+
+    def epsilon(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        pass

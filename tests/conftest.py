@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny random GPT-2 and synthetic token batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpmuon.models import IGNORE_INDEX, build_random_gpt2
+
+VOCAB = 97
+
+
+def tiny_gpt2(tie: bool = True, seed: int = 0, n_layer: int = 2, n_embd: int = 32):
+    return build_random_gpt2(vocab_size=VOCAB, n_layer=n_layer, n_embd=n_embd, n_head=2, n_positions=32, tie_embeddings=tie, seed=seed)
+
+
+def token_batch(batch_size: int, length: int = 12, seed: int = 0, left_pad: bool = False) -> dict:
+    """Random sequences with ragged padding and a masked-out prompt, like real lots."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch_size, length), generator=g)
+    mask = torch.ones(batch_size, length, dtype=torch.long)
+    labels = ids.clone()
+    for i in range(batch_size):
+        n_pad = int(torch.randint(0, length // 3, (1,), generator=g))
+        prompt = int(torch.randint(1, length // 2, (1,), generator=g))
+        if left_pad:
+            mask[i, :n_pad] = 0
+            labels[i, : n_pad + prompt] = IGNORE_INDEX
+        else:
+            if n_pad:
+                mask[i, -n_pad:] = 0
+                labels[i, -n_pad:] = IGNORE_INDEX
+            labels[i, :prompt] = IGNORE_INDEX
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.fixture
+def tied_model():
+    return tiny_gpt2(tie=True)
+
+
+@pytest.fixture
+def untied_model():
+    return tiny_gpt2(tie=False)
