@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-slow
+.PHONY: help setup test test-slow data smoke bench-bias
 
 help: ## List every target with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
@@ -29,3 +29,9 @@ test-slow: ## Run the slow checks too (still CPU)
 
 bench-bias: ## Monte Carlo of the Newton–Schulz bias and DP-MuonBC's correction → results/bias/
 	$(PYTHON) scripts/bench_bias.py
+
+data: ## Fetch raw E2E and DART into data/raw/ (or LINK=DIR to link a local copy)
+	$(PYTHON) scripts/download_data.py $(if $(LINK),--link $(LINK))
+
+smoke: ## One tiny private run on real data (DP-MuonBC on E2E, under 2 minutes on 2 CPU cores)
+	$(PYTHON) -m dpmuon.train experiment=smoke optimizer=dp_muonbc dataset=e2e logger=none

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -69,22 +70,30 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    panels = sorted({(r["family"], r["shape"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
-    for ax, (family, shape) in zip(axes[0], panels):
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(len(families), len(shapes), figsize=(3.8 * len(shapes), 3.3 * len(families)), squeeze=False)
+    for (i, family), (j, shape) in itertools.product(enumerate(families), enumerate(shapes)):
+        ax = axes[i][j]
         sel = sorted((r for r in rows if r["family"] == family and r["shape"] == shape), key=lambda r: r["noise_std"])
         s = [r["noise_std"] for r in sel]
-        ax.loglog(s, [r["plain_bias"] for r in sel], "o-", color="tab:red", label="DP-Muon  ‖E F − F(M₀)‖")
-        ax.loglog(s, [r["bc_bias"] for r in sel], "s-", color="tab:blue", label="DP-MuonBC")
-        ax.loglog(s, [r["mc_floor"] for r in sel], ":", color="grey", label="Monte Carlo floor")
+        ax.loglog(s, [r["plain_bias"] for r in sel], "o-", color="tab:red", label="DP-Muon: ‖E F(M₀+S) − F(M₀)‖")
+        ax.loglog(s, [r["bc_bias"] for r in sel], "s-", color="tab:blue", label="DP-MuonBC: ‖E F_BC(M₀+S) − F(M₀)‖")
+        ax.loglog(s, [r["mc_floor"] for r in sel], ":", color="grey", label="Monte Carlo floor (BC)")
         ref = sel[len(sel) // 2]
         for power, style, base in ((2, "--", ref["plain_bias"]), (4, "-.", ref["bc_bias"])):
             ax.loglog(s, [base * (x / ref["noise_std"]) ** power for x in s], style, color="black", lw=0.8, label=f"∝ s^{power}")
-        ax.set_title(f"{family}, {shape}", fontsize=9)
-        ax.set_xlabel("noise std s (signal singular values in [1, 2])", fontsize=8)
+        ax.set_title(f"NS {family}, M₀ {shape}", fontsize=9)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(s)
         ax.grid(True, which="both", lw=0.3)
-    axes[0][0].set_ylabel("bias (Frobenius)")
+        if i == len(families) - 1:
+            ax.set_xlabel("noise std s (σ(M₀) ∈ [1, 2])", fontsize=8)
+    for i in range(len(families)):
+        axes[i][0].set_ylabel("bias (Frobenius)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

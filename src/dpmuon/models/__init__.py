@@ -1,10 +1,13 @@
 """Models: GPT-2-family causal LMs and their per-example loss."""
 
+from .build import build_model, context_length
 from .factory import build_random_gpt2, lm_head_is_tied, load_pretrained, untie_lm_head
 from .lm import IGNORE_INDEX, hidden_matrices, per_example_lm_loss, position_ids_for
 
 __all__ = [
     "IGNORE_INDEX",
+    "build_model",
+    "context_length",
     "build_random_gpt2",
     "hidden_matrices",
     "lm_head_is_tied",

@@ -32,7 +32,9 @@ def _opacus_epsilon(accountant: str, history: list[tuple[float, float, int]], de
     with warnings.catch_warnings():
         # PRV sizes its domain with an internal RDP bound that warns about its order grid.
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(acc.get_epsilon(delta=delta, **_epsilon_kwargs(accountant)))
+        eps = float(acc.get_epsilon(delta=delta, **_epsilon_kwargs(accountant)))
+    # Numerical breakdown (tiny σ) may give NaN; never let it pass as a small ε.
+    return math.inf if math.isnan(eps) else eps
 
 
 def _check_accountant(name: str) -> None:
@@ -89,7 +91,7 @@ def calibrate_noise_multiplier(
             **_epsilon_kwargs(accountant),
         )
     spent = epsilon_after(sigma, sample_rate, steps, delta, accountant)
-    if spent > target_epsilon:  # the search must never hand back a σ that overspends
+    if not spent <= target_epsilon:  # the search must never hand back a σ that overspends
         raise RuntimeError(f"calibration returned σ={sigma} with ε={spent} > target {target_epsilon}")
     return float(sigma)
 

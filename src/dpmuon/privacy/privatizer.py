@@ -95,18 +95,21 @@ class Privatizer:
             stats.clipped += clip.clipped
 
         block_of = self.partition.block_index()
+        released = {}
         for name, p in self.params.items():
             std = self.block_stds[block_of[name]]
             noisy = summed[name]
             if std > 0:
                 noisy += std * self.noise.standard_normal(noisy.shape, noisy.device)
-            released = (noisy / self.expected_lot_size).to(p.dtype)
-            if not torch.isfinite(released).all():
-                raise NonFiniteReleaseError(
-                    f"released gradient of {name} is not finite; refusing to update the model "
-                    "(check the learning rate and the data of this lot)"
-                )
-            p.grad = released
+            released[name] = (noisy / self.expected_lot_size).to(p.dtype)
+        bad = [name for name, g in released.items() if not torch.isfinite(g).all()]
+        if bad:  # checked before any p.grad is written: nothing half-released
+            raise NonFiniteReleaseError(
+                f"released gradient is not finite in {len(bad)} tensor(s) (first: {bad[0]}); refusing to "
+                "update the model — the clipped sum or the noise is broken, not the data"
+            )
+        for name, p in self.params.items():
+            p.grad = released[name]
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         return stats
 

@@ -1,0 +1,92 @@
+"""Reader for DART (v1.1.1) JSON files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+from dpmuon.data.errors import DataError
+from dpmuon.data.records import Example
+from dpmuon.data.textio import open_text
+
+
+def linearize_tripleset(tripleset: Sequence[Sequence[str]]) -> str:
+    """Join triples as `subject : relation : object | subject : relation : object`.
+
+    Values are kept verbatim (a few carry stray spaces in the release): prior work on DART
+    linearized them unchanged, and prompts should match theirs.
+    """
+    return " | ".join(f"{subject} : {relation} : {obj}" for subject, relation, obj in tripleset)
+
+
+def read_dart_json(path: str | PathLike[str]) -> list[Example]:
+    """Read a DART JSON file: one Example per annotation, items and annotations in file order.
+
+    Targets are stripped annotation texts; an empty text is kept because it is a reference
+    of the official test set. Optional keys such as `subtree_was_extended` are ignored.
+    """
+    path = Path(path)
+    with open_text(path) as handle:
+        text = handle.read()
+    if not text.strip():
+        raise DataError.in_file(path, "the file is empty; expected a JSON list of DART items")
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataError.in_file(
+            path, f"invalid JSON at column {error.colno}: {error.msg}", line=error.lineno
+        ) from error
+    if not isinstance(items, list):
+        raise DataError.in_file(
+            path, f"expected a JSON list of items at the top level, found a {type(items).__name__}"
+        )
+    examples: list[Example] = []
+    for index, item in enumerate(items):
+        examples.extend(_examples_from_item(path, index, item))
+    if not examples:
+        raise DataError.in_file(path, "the JSON list holds no items")
+    return examples
+
+
+def _examples_from_item(path: Path, index: int, item: Any) -> list[Example]:
+    def item_error(problem: str) -> DataError:
+        return DataError.in_file(path, f"item {index} (counting from 0): {problem}")
+
+    if not isinstance(item, dict):
+        raise item_error(
+            f"expected an object with `tripleset` and `annotations`, found {item!r:.80}"
+        )
+    tripleset = item.get("tripleset")
+    if not isinstance(tripleset, list) or not tripleset:
+        raise item_error(
+            f"expected `tripleset` to be a non-empty list of triples, found {tripleset!r:.80}"
+        )
+    for position, triple in enumerate(tripleset):
+        if not (
+            isinstance(triple, list)
+            and len(triple) == 3
+            and all(isinstance(v, str) for v in triple)
+        ):
+            raise item_error(
+                f"triple {position} is {triple!r:.80}; expected a list of 3 strings "
+                "[subject, relation, object]"
+            )
+    annotations = item.get("annotations")
+    if not isinstance(annotations, list) or not annotations:
+        raise item_error(
+            f'expected `annotations` to be a non-empty list of {{"text": ...}} objects, '
+            f"found {annotations!r:.80}"
+        )
+    source = linearize_tripleset(tripleset)
+    examples = []
+    for position, annotation in enumerate(annotations):
+        if not (isinstance(annotation, dict) and isinstance(annotation.get("text"), str)):
+            raise item_error(
+                f"annotation {position} is {annotation!r:.80}; "
+                "expected an object with a string `text`"
+            )
+        examples.append(Example(source=source, target=annotation["text"].strip()))
+    return examples

@@ -1,0 +1,151 @@
+"""Training curves per dataset: validation NLL, train loss and ε spent against step.
+
+One line per run group (see grouping.py): the mean over the group's seeds, with a band from
+the minimum to the maximum over seeds. Figures are built on matplotlib's Agg canvas directly,
+without pyplot, so no global backend state is touched.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from dpmuon.eval.grouping import RunGroup, group_runs, runs_by_dataset
+from dpmuon.eval.runs import Run
+
+# Fixed so that a method has the same color in every figure of every dataset.
+OPTIMIZER_COLORS = {
+    "dp_sgd": "#1f77b4",
+    "dp_adam": "#ff7f0e",
+    "dp_muon": "#2ca02c",
+    "dp_muonbc": "#d62728",
+    "adam": "#9467bd",
+    "muon": "#8c564b",
+}
+_OTHER_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+# Groups of one optimizer that differ in model or target ε share its color, not its line style.
+_LINE_STYLES = ("-", "--", ":", "-.")
+BAND_NOTE = "line: mean over seeds; band: min–max over seeds"
+NOT_LOGGED = "not logged"
+# Matplotlib otherwise stamps its version into the PNG; leaving it out keeps files reproducible.
+_PNG_METADATA = {"Software": None}
+
+
+@dataclass(frozen=True)
+class Panel:
+    key: str  # metrics.jsonl key
+    title: str
+    file_name: str
+
+
+PANELS = (
+    Panel("val_nll", "validation NLL", "val_nll.png"),
+    Panel("train_loss", "train loss", "train_loss.png"),
+    Panel("epsilon", "ε spent", "epsilon.png"),
+)
+
+
+@dataclass(frozen=True)
+class CurveBand:
+    """One group's curve: at each step, statistics over the runs that logged that step."""
+
+    steps: np.ndarray
+    mean: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    n_runs: np.ndarray
+
+
+def run_series(rows: Sequence[dict], key: str) -> dict[int, float]:
+    """step -> value of `key`; rows without it (or with null) are skipped, a repeated step keeps the last."""
+    return {row["step"]: float(row[key]) for row in rows if row.get(key) is not None}
+
+
+def aggregate_curves(runs: Sequence[Run], key: str) -> list[tuple[RunGroup, CurveBand]]:
+    """The curve of `key` for each group of one dataset's runs that logged it, in table order."""
+    curves = []
+    for group in group_runs(runs):
+        series = [run_series(run.load_metrics(), key) for run in group.runs]
+        steps = sorted({step for per_run in series for step in per_run})
+        if not steps:
+            continue
+        # Seeds may stop at different steps; each point averages the seeds that reached it.
+        at_step = [[per_run[step] for per_run in series if step in per_run] for step in steps]
+        curves.append((group, CurveBand(
+            steps=np.array(steps),
+            mean=np.array([np.mean(values) for values in at_step]),
+            low=np.array([np.min(values) for values in at_step]),
+            high=np.array([np.max(values) for values in at_step]),
+            n_runs=np.array([len(values) for values in at_step]),
+        )))  # fmt: skip
+    return curves
+
+
+def optimizer_color(optimizer: str) -> str:
+    if optimizer in OPTIMIZER_COLORS:
+        return OPTIMIZER_COLORS[optimizer]
+    # A stable hash (unlike hash()) keeps unknown optimizers' colors fixed across runs too.
+    return _OTHER_COLORS[zlib.crc32(optimizer.encode()) % len(_OTHER_COLORS)]
+
+
+def write_curves(runs: Sequence[Run], out_dir: Path) -> list[Path]:
+    """Write curves.png and one PNG per panel for every dataset under `out_dir/<dataset>/`."""
+    written = []
+    for dataset, dataset_runs in runs_by_dataset(runs).items():
+        folder = Path(out_dir) / dataset
+        folder.mkdir(parents=True, exist_ok=True)
+        curves = {panel.key: aggregate_curves(dataset_runs, panel.key) for panel in PANELS}
+
+        combined = _new_figure(width=5.2 * len(PANELS))
+        for axes, panel in zip(combined.subplots(1, len(PANELS)), PANELS):
+            draw_panel(axes, panel, curves[panel.key])
+        combined.suptitle(f"{dataset} ({BAND_NOTE})")
+        written.append(_save(combined, folder / "curves.png"))
+
+        for panel in PANELS:
+            single = _new_figure(width=6.0)
+            draw_panel(single.subplots(), panel, curves[panel.key])
+            single.suptitle(f"{dataset} ({BAND_NOTE})", fontsize="medium")
+            written.append(_save(single, folder / panel.file_name))
+    return written
+
+
+def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]]) -> None:
+    axes.set_title(panel.title)
+    if not curves:
+        axes.text(0.5, 0.5, NOT_LOGGED, ha="center", va="center", transform=axes.transAxes, color="gray")
+        axes.set_xticks([])
+        axes.set_yticks([])
+        return
+    variants_seen: dict[str, int] = {}
+    for group, band in curves:
+        optimizer = group.key.optimizer
+        variant = variants_seen.get(optimizer, 0)
+        variants_seen[optimizer] = variant + 1
+        color = optimizer_color(optimizer)
+        axes.plot(
+            band.steps, band.mean, color=color, linestyle=_LINE_STYLES[variant % len(_LINE_STYLES)],
+            marker="o" if len(band.steps) == 1 else None, label=f"{group.label} (n={len(group.runs)})",
+        )  # fmt: skip
+        axes.fill_between(band.steps, band.low, band.high, color=color, alpha=0.2, linewidth=0)
+    axes.set_xlabel("step")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+
+
+def _new_figure(width: float) -> Figure:
+    figure = Figure(figsize=(width, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    figure.savefig(path, format="png", dpi=120, metadata=_PNG_METADATA)
+    return path

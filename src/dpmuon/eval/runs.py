@@ -1,0 +1,153 @@
+"""Reading training-run directories (the SPEC §4 artifact contract).
+
+A run directory holds `summary.json` (final numbers and the run's identity) and
+`metrics.jsonl` (one object per logged step). Anything that breaks the contract raises
+RunFormatError naming the file, the line and the key, so a bad run is fixed, not guessed at.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.jsonl"
+
+REQUIRED_SUMMARY_KEYS = (
+    "dataset", "optimizer", "model", "seed", "target_epsilon", "epsilon", "delta",
+    "noise_multiplier", "sample_rate", "steps", "accountant", "clip_mode", "test_nll", "bleu",
+    "bleu_single_ref", "rouge_l", "train_seconds", "metric_implementations", "git_commit", "command",
+)  # fmt: skip
+TEXT_KEYS = ("dataset", "optimizer", "model")
+OPTIONAL_NUMBER_KEYS = (
+    "target_epsilon", "epsilon", "noise_multiplier", "test_nll", "bleu", "bleu_single_ref", "rouge_l",
+)  # fmt: skip
+# Per-step quantities the curves read; other logged keys are passed through unchecked.
+CURVE_KEYS = ("train_loss", "val_nll", "epsilon", "lr")
+
+
+class RunFormatError(ValueError):
+    """A run directory does not follow the artifact contract."""
+
+
+@dataclass(frozen=True)
+class Run:
+    path: Path
+    summary: dict[str, Any]
+
+    @property
+    def dataset(self) -> str:
+        return self.summary["dataset"]
+
+    @property
+    def optimizer(self) -> str:
+        return self.summary["optimizer"]
+
+    @property
+    def model(self) -> str:
+        return self.summary["model"]
+
+    @property
+    def seed(self) -> int:
+        return self.summary["seed"]
+
+    @property
+    def is_private(self) -> bool:
+        # The contract marks non-private runs with noise_multiplier 0 (and epsilon null).
+        return self.summary["noise_multiplier"] != 0
+
+    @property
+    def target_epsilon(self) -> float | None:
+        """The privacy target; None for non-private runs, whatever their config carried over."""
+        target = self.summary["target_epsilon"]
+        return float(target) if self.is_private and target is not None else None
+
+    def load_metrics(self) -> list[dict[str, Any]]:
+        """The logged rows in file order; empty when the run logged none."""
+        return read_metrics(self.path / METRICS_FILE)
+
+
+def find_runs(paths: Sequence[Path]) -> list[Run]:
+    """Every run directory (one holding summary.json) under `paths`, sorted by path."""
+    summary_files: set[Path] = set()
+    for root in map(Path, paths):
+        if root.is_file() and root.name == SUMMARY_FILE:
+            summary_files.add(root.resolve())
+        elif root.is_dir():
+            summary_files.update(found.resolve() for found in root.rglob(SUMMARY_FILE) if found.is_file())
+        else:
+            raise RunFormatError(f"{root}: no such directory (nor a summary.json file)")
+    return [Run(path=file.parent, summary=read_summary(file)) for file in sorted(summary_files)]
+
+
+def read_summary(file: Path) -> dict[str, Any]:
+    try:
+        summary = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RunFormatError(f"{file}: not valid JSON ({error})") from error
+    if not isinstance(summary, dict):
+        raise RunFormatError(f"{file}: expected a JSON object, got {type(summary).__name__}")
+    _check_summary(file, summary)
+    return summary
+
+
+def read_metrics(file: Path) -> list[dict[str, Any]]:
+    if not file.exists():
+        return []
+    rows = []
+    for line_number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{file}:{line_number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise RunFormatError(f"{where}: not valid JSON ({error})") from error
+        if not isinstance(row, dict):
+            raise RunFormatError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        if not _is_int(row.get("step")):
+            raise RunFormatError(f"{where}: missing or non-integer 'step'")
+        for key in CURVE_KEYS:
+            if key in row and not _is_optional_number(row[key]):
+                raise RunFormatError(f"{where}: {key!r} must be a number or null, got {row[key]!r}")
+        rows.append(row)
+    return rows
+
+
+def _check_summary(file: Path, summary: dict[str, Any]) -> None:
+    missing = [key for key in REQUIRED_SUMMARY_KEYS if key not in summary]
+    if missing:
+        raise RunFormatError(f"{file}: missing required key(s): {', '.join(missing)}")
+    for key in TEXT_KEYS:
+        if not isinstance(summary[key], str) or not summary[key]:
+            raise RunFormatError(f"{file}: {key!r} must be a non-empty string, got {summary[key]!r}")
+    # The dataset names an output folder, so it must not escape it.
+    if any(separator in summary["dataset"] for separator in ("/", "\\")) or summary["dataset"] in (".", ".."):
+        raise RunFormatError(f"{file}: 'dataset' must be a plain name, got {summary['dataset']!r}")
+    if not _is_int(summary["seed"]):
+        raise RunFormatError(f"{file}: 'seed' must be an integer, got {summary['seed']!r}")
+    for key in OPTIONAL_NUMBER_KEYS:
+        if not _is_optional_number(summary[key]):
+            raise RunFormatError(f"{file}: {key!r} must be a number or null, got {summary[key]!r}")
+    if not isinstance(summary["metric_implementations"], dict):
+        raise RunFormatError(f"{file}: 'metric_implementations' must be an object")
+    if not (summary["git_commit"] is None or isinstance(summary["git_commit"], str)):
+        raise RunFormatError(f"{file}: 'git_commit' must be a string or null")
+    command = summary["command"]
+    if not (command is None or isinstance(command, str) or _is_string_list(command)):
+        raise RunFormatError(f"{file}: 'command' must be a string, a list of strings or null")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_optional_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _is_string_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)

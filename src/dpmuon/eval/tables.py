@@ -1,0 +1,272 @@
+"""Result tables per dataset (Markdown, CSV, LaTeX) from run summaries, beside the paper's numbers.
+
+Output is a pure function of the summaries (no timestamps, no absolute paths, fixed float
+formats) so that re-running on the same runs reproduces every file byte-for-byte.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import shlex
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpmuon.eval.grouping import RunGroup, format_epsilon, group_runs, runs_by_dataset
+from dpmuon.eval.paper import PAPER_CITATION, PAPER_MODEL, paper_result
+from dpmuon.eval.runs import Run
+
+NOT_MEASURED = "not measured"
+NOT_APPLICABLE = "—"
+NOT_REPORTED = "not reported"
+EPSILON_DECIMALS = 2
+
+
+@dataclass(frozen=True)
+class MetricColumn:
+    key: str  # summary.json key
+    header: str
+    decimals: int
+    paper_key: str | None  # key in PAPER_RESULTS, None when the paper has no such column
+
+
+METRIC_COLUMNS = (
+    MetricColumn("test_nll", "test NLL", 4, "nll"),
+    MetricColumn("bleu", "BLEU", 2, "bleu"),
+    MetricColumn("bleu_single_ref", "BLEU (single ref)", 2, None),
+    MetricColumn("rouge_l", "ROUGE-L", 2, "rouge_l"),
+)
+PAPER_COLUMNS = tuple(column for column in METRIC_COLUMNS if column.paper_key is not None)
+HEADERS = (
+    ("optimizer", "model", "target ε", "ε spent (mean)", "seeds (n)")
+    + tuple(column.header for column in METRIC_COLUMNS)
+    + tuple(f"paper: {column.header}" for column in PAPER_COLUMNS)
+)
+_METRIC_NAMES = {column.key: column.header for column in METRIC_COLUMNS}
+
+LEGEND = (
+    "Cells are mean ± sample standard deviation over the group's runs (seeds). "
+    '"(n=1)": a single run, no spread. "(n=k of m)": only k of the group\'s m runs measured it. '
+    f'"{NOT_MEASURED}": no run of the group recorded it. "{NOT_APPLICABLE}": not applicable '
+    f'(non-private runs have no ε). "{NOT_REPORTED}": the paper gives no number for this cell. '
+    "Empty paper cells: the paper has no row for this optimizer at this target ε."
+)
+
+
+@dataclass(frozen=True)
+class MetricStat:
+    """The non-null values a group's runs recorded for one quantity."""
+
+    values: tuple[float, ...]
+    n_runs: int
+
+    @classmethod
+    def of(cls, runs: Sequence[Run], key: str) -> MetricStat:
+        values = tuple(float(run.summary[key]) for run in runs if run.summary[key] is not None)
+        return cls(values, len(runs))
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.values) if self.values else None
+
+    @property
+    def std(self) -> float | None:
+        return statistics.stdev(self.values) if len(self.values) > 1 else None
+
+    def display(self, decimals: int) -> str:
+        if not self.values:
+            return NOT_MEASURED
+        text = f"{self.mean:.{decimals}f}"
+        if self.std is not None:
+            text += f" ± {self.std:.{decimals}f}"
+        if len(self.values) < self.n_runs:
+            return f"{text} (n={len(self.values)} of {self.n_runs})"
+        return f"{text} (n=1)" if self.n_runs == 1 else text
+
+
+@dataclass(frozen=True)
+class TableRow:
+    group: RunGroup
+    epsilon_spent: MetricStat | None  # None: the group is non-private
+    metrics: dict[str, MetricStat]
+    paper: dict[str, float | None] | None  # None: the paper has no comparable row
+
+    @classmethod
+    def of(cls, dataset: str, group: RunGroup) -> TableRow:
+        return cls(
+            group=group,
+            epsilon_spent=MetricStat.of(group.runs, "epsilon") if group.key.private else None,
+            metrics={column.key: MetricStat.of(group.runs, column.key) for column in METRIC_COLUMNS},
+            paper=paper_result(dataset, group.key.optimizer, group.key.target_epsilon),
+        )
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted(run.seed for run in self.group.runs)
+
+    def display_cells(self) -> list[str]:
+        key = self.group.key
+        if not key.private:
+            target = f"{NOT_APPLICABLE} (non-private)"
+        else:
+            target = NOT_MEASURED if key.target_epsilon is None else format_epsilon(key.target_epsilon)
+        cells = [
+            self.group.label,
+            key.model,
+            target,
+            NOT_APPLICABLE if self.epsilon_spent is None else self.epsilon_spent.display(EPSILON_DECIMALS),
+            f"{len(self.seeds)} ({', '.join(map(str, self.seeds))})",
+        ]
+        cells += [self.metrics[column.key].display(column.decimals) for column in METRIC_COLUMNS]
+        cells += [self._paper_cell(column) for column in PAPER_COLUMNS]
+        return cells
+
+    def _paper_cell(self, column: MetricColumn) -> str:
+        if self.paper is None:
+            return ""
+        value = self.paper[column.paper_key]
+        return NOT_REPORTED if value is None else f"{value:.{column.decimals}f}"
+
+
+def build_rows(dataset: str, runs: Sequence[Run]) -> list[TableRow]:
+    return [TableRow.of(dataset, group) for group in group_runs(runs)]
+
+
+def write_tables(runs: Sequence[Run], out_dir: Path) -> list[Path]:
+    """Write table.md/.csv/.tex for every dataset under `out_dir/<dataset>/`; returns the files."""
+    written = []
+    for dataset, dataset_runs in runs_by_dataset(runs).items():
+        rows = build_rows(dataset, dataset_runs)
+        folder = Path(out_dir) / dataset
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in (
+            ("table.md", render_markdown(dataset, rows, dataset_runs)),
+            ("table.csv", render_csv(dataset, rows)),
+            ("table.tex", render_latex(dataset, rows)),
+        ):
+            path = folder / name
+            path.write_text(text, encoding="utf-8", newline="\n")
+            written.append(path)
+    return written
+
+
+def render_markdown(dataset: str, rows: Sequence[TableRow], runs: Sequence[Run]) -> str:
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    lines = [f"# {dataset}: test-set results", "", line(HEADERS), line(["---"] * len(HEADERS))]
+    lines += [line(row.display_cells()) for row in rows]
+    lines += ["", LEGEND, "", "## Notes", ""]
+    lines += _paper_notes(rows) + _scorer_notes(runs) + _provenance_notes(runs)
+    return "\n".join(lines) + "\n"
+
+
+def render_csv(dataset: str, rows: Sequence[TableRow]) -> str:
+    """Machine-readable numbers: an empty cell is a missing value (its `_n` column says 0)."""
+    header = ["dataset", "label", "optimizer", "model", "target_epsilon", "private", "epsilon_spent_mean", "n_runs", "seeds"]
+    for column in METRIC_COLUMNS:
+        header += [f"{column.key}_mean", f"{column.key}_std", f"{column.key}_n"]
+    header += [f"paper_{column.paper_key}" for column in PAPER_COLUMNS]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    for row in rows:
+        key = row.group.key
+        cells = [
+            dataset, row.group.label, key.optimizer, key.model, _number(key.target_epsilon),
+            str(key.private).lower(),
+            _number(row.epsilon_spent.mean if row.epsilon_spent else None),
+            len(row.group.runs), " ".join(map(str, row.seeds)),
+        ]  # fmt: skip
+        for column in METRIC_COLUMNS:
+            stat = row.metrics[column.key]
+            cells += [_number(stat.mean), _number(stat.std), len(stat.values)]
+        cells += [_number(row.paper[column.paper_key] if row.paper else None) for column in PAPER_COLUMNS]
+        writer.writerow(cells)
+    return buffer.getvalue()
+
+
+def render_latex(dataset: str, rows: Sequence[TableRow]) -> str:
+    lines = [
+        f"% {_tex(dataset)}: test-set results, generated by scripts/make_tables.py (needs booktabs).",
+        f"% {_tex(LEGEND)}",
+        f"% Paper columns quoted from {_tex(PAPER_CITATION)}, {_tex(PAPER_MODEL)}; not reproduced here.",
+        "% Scorers, commits and commands: see table.md next to this file.",
+        r"\begin{tabular}{" + "l" * len(HEADERS) + "}",
+        r"\toprule",
+        " & ".join(map(_tex, HEADERS)) + r" \\",
+        r"\midrule",
+    ]
+    lines += [" & ".join(map(_tex, row.display_cells())) + r" \\" for row in rows]
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def _paper_notes(rows: Sequence[TableRow]) -> list[str]:
+    if not any(row.paper for row in rows):
+        return ["- The paper reports no numbers for these optimizers at these privacy targets."]
+    return [
+        f"- Paper columns are quoted from {PAPER_CITATION}, not reproduced here. The paper fine-tuned "
+        f"{PAPER_MODEL}; rows of other models, or of randomly initialised weights, are not directly "
+        "comparable to them.",
+    ]
+
+
+def _scorer_notes(runs: Sequence[Run]) -> list[str]:
+    """Which implementation produced each metric, counted over the runs that measured it."""
+    order = list(_METRIC_NAMES)
+    keys = sorted(
+        {key for run in runs for key in run.summary["metric_implementations"]},
+        key=lambda key: (order.index(key) if key in order else len(order), key),
+    )
+    lines = ["- Scorers (from each run's `metric_implementations`):"]
+    for key in keys:
+        # A run that left a metric null has no say in how it was measured; keys that are not
+        # summary metrics (e.g. a decoding note) count for every run.
+        measuring = [run for run in runs if key not in run.summary or run.summary[key] is not None]
+        used = Counter(str(run.summary["metric_implementations"].get(key, "not recorded")) for run in measuring)
+        if not used:
+            continue
+        name = _METRIC_NAMES.get(key, key)
+        if len(used) == 1:
+            (implementation, count), = used.items()
+            lines.append(f"  - {name}: `{implementation}` ({_runs(count)})")
+        else:
+            variants = "; ".join(f"`{impl}` ({_runs(count)})" for impl, count in sorted(used.items()))
+            lines.append(f"  - {name}: runs disagree: {variants}")
+    return lines
+
+
+def _provenance_notes(runs: Sequence[Run]) -> list[str]:
+    commits = Counter(run.summary["git_commit"] or "unknown" for run in runs)
+    commit_text = ", ".join(f"`{commit}` ({_runs(count)})" for commit, count in sorted(commits.items()))
+    commands = sorted({_command_text(run.summary["command"]) for run in runs})
+    return [f"- Runs: {len(runs)}. Git commits: {commit_text}.", "- Commands:", "", "```", *commands, "```"]
+
+
+def _command_text(command: str | list[str] | None) -> str:
+    if command is None:
+        return "(not recorded)"
+    return command if isinstance(command, str) else shlex.join(command)
+
+
+def _runs(count: int) -> str:
+    return f"{count} run" if count == 1 else f"{count} runs"
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else repr(value)
+
+
+_TEX_REPLACEMENTS = str.maketrans({
+    "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+    "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+    "±": r"$\pm$", "—": "---", "–": "--", "ε": r"$\varepsilon$", "≈": r"$\approx$",
+})  # fmt: skip
+
+
+def _tex(text: str) -> str:
+    return text.translate(_TEX_REPLACEMENTS)

@@ -1,0 +1,1 @@
+"""The training driver's parts: plan, data, loop, evaluation, checkpoints, run files."""

@@ -1,0 +1,38 @@
+"""Load, subset and encode a dataset's splits for one run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from ..data import EncodedExample, EvalItem, Example, encode_for_training, group_references, load_examples
+
+
+@dataclass
+class RunData:
+    train: list[EncodedExample]
+    valid: list[EncodedExample]
+    test_items: list[EvalItem]
+    test: list[EncodedExample]  # every (source, reference) pair of test_items, for test NLL
+
+
+def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None]) -> RunData:
+    name, fmt, root = dataset["name"], dataset.get("format"), data.get("root")
+
+    train_raw = _first(load_examples(name, "train", root, fmt), data.get("max_train_examples"))
+    train, dropped = encode_for_training(train_raw, tokenizer, int(dataset["max_length"]))
+    log(f"{name} train: {len(train):,} examples ({dropped:,} dropped as longer than {dataset['max_length']} tokens)")
+
+    valid_raw = _first(load_examples(name, "valid", root, fmt), data.get("max_valid_examples"))
+    valid, dropped = encode_for_training(valid_raw, tokenizer, context_length)
+    log(f"{name} valid: {len(valid):,} examples for validation NLL ({dropped} beyond the context length)")
+
+    test_items = _first(group_references(load_examples(name, "test", root, fmt)), data.get("max_test_sources"))
+    pairs = [Example(item.source, ref) for item in test_items for ref in item.references]
+    test, dropped = encode_for_training(pairs, tokenizer, context_length)
+    log(f"{name} test: {len(test_items):,} sources, {len(test):,} reference pairs ({dropped} beyond the context length)")
+    return RunData(train, valid, test_items, test)
+
+
+def _first(items: list, limit) -> list:
+    return items if limit is None else items[: int(limit)]

@@ -1,0 +1,89 @@
+"""Held-out evaluation: NLL per target token and decoding of test sources."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..data import EncodedExample, collate, collate_prompts, encode_prompt
+from ..models import IGNORE_INDEX, position_ids_for
+
+
+@torch.no_grad()
+def token_nll(
+    model,
+    examples: Sequence[EncodedExample],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager],
+    progress: bool = False,
+    desc: str = "nll",
+) -> float:
+    """Σ token NLL / Σ supervised tokens: the NLL per target token over the whole set."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    for idx in tqdm(batches, desc=desc, disable=not progress, leave=False):
+        batch = {k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()}
+        with autocast():
+            logits = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=position_ids_for(batch["attention_mask"]),
+            ).logits
+        labels = batch["labels"][:, 1:]
+        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        total += float(nll)
+        count += int((labels != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total / count if count else float("nan")
+
+
+@torch.no_grad()
+def decode(
+    model,
+    tokenizer,
+    sources: Sequence[str],
+    cfg: Mapping,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager],
+    progress: bool = False,
+) -> list[str]:
+    """Generate one output per source (beam search or greedy), in input order."""
+    was_training = model.training
+    model.eval()
+    if cfg["decoding"] not in ("beam", "greedy"):
+        raise ValueError(f"unknown decoding {cfg['decoding']!r}; valid: beam, greedy")
+    num_beams = int(cfg["num_beams"]) if cfg["decoding"] == "beam" else 1
+    prompts = [encode_prompt(tokenizer, s) for s in sources]
+    # Similar lengths batched together: less padding; results are put back in input order.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outputs: list[str] = [""] * len(prompts)
+    batch_size = int(cfg["batch_size"])
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    for idx in tqdm(chunks, desc="decode", disable=not progress, leave=False):
+        batch = {k: v.to(device) for k, v in collate_prompts([prompts[i] for i in idx], tokenizer.pad_token_id).items()}
+        with autocast():
+            generated = model.generate(
+                **batch,
+                do_sample=False,
+                num_beams=num_beams,
+                early_stopping=num_beams > 1,
+                max_new_tokens=int(cfg["max_new_tokens"]),
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        new_tokens = generated[:, batch["input_ids"].shape[1] :]
+        for i, row in zip(idx, new_tokens.tolist()):
+            if tokenizer.eos_token_id in row:
+                row = row[: row.index(tokenizer.eos_token_id)]
+            outputs[i] = tokenizer.decode(row, skip_special_tokens=True).strip()
+    model.train(was_training)
+    return outputs

@@ -1,0 +1,92 @@
+"""Where a run's numbers go: always the run directory; optionally Weights & Biases."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+from .run_files import MetricsLog
+
+
+class LocalLogger:
+    """metrics.jsonl in the run directory (crash-safe appends)."""
+
+    run_id: str | None = None
+
+    def __init__(self, run_dir: Path):
+        self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl")
+
+    def log(self, row: Mapping) -> None:
+        self.metrics.append(dict(row))
+
+    def summary(self, summary: Mapping) -> None:
+        pass
+
+    def images(self, images: Mapping[str, Path]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbLogger(LocalLogger):
+    """Also logs to W&B: config, per-step rows, summary and the run's curves.
+
+    Offline (./wandb/offline-run-*, upload with `wandb sync`) when no API key is configured.
+    """
+
+    def __init__(self, run_dir: Path, cfg: Mapping, config: Mapping, run_id: str | None, name: str):
+        super().__init__(run_dir)
+        import wandb
+
+        mode = cfg.get("mode") or os.environ.get("WANDB_MODE")
+        if mode is None:
+            mode = "online" if (os.environ.get("WANDB_API_KEY") or _has_netrc_key()) else "offline"
+        self._wandb = wandb
+        self._run = wandb.init(
+            project=cfg.get("project", "dpmuon"),
+            entity=cfg.get("entity"),
+            group=cfg.get("group"),
+            tags=list(cfg.get("tags") or []),
+            name=name,
+            config=dict(config),
+            dir=str(run_dir),
+            mode=mode,
+            id=run_id,
+            resume="allow",
+        )
+        self.run_id = self._run.id if self._run is not None else None
+
+    def log(self, row: Mapping) -> None:
+        super().log(row)
+        flat = {k: v for k, v in row.items() if not isinstance(v, dict)}
+        for key, value in row.items():
+            if isinstance(value, dict):
+                flat.update({f"{key}/{k}": v for k, v in value.items()})
+        self._wandb.log(flat, step=int(row["step"]))
+
+    def summary(self, summary: Mapping) -> None:
+        for key, value in summary.items():
+            if isinstance(value, (int, float, str, bool)) or value is None:
+                self._run.summary[key] = value
+
+    def images(self, images: Mapping[str, Path]) -> None:
+        self._wandb.log({name: self._wandb.Image(str(path)) for name, path in images.items()})
+
+    def finish(self) -> None:
+        self._wandb.finish()
+
+
+def _has_netrc_key() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def build_logger(cfg: Mapping, run_dir: Path, config: Mapping, run_id: str | None, name: str) -> LocalLogger:
+    kind = cfg.get("name", "none")
+    if kind == "none":
+        return LocalLogger(run_dir)
+    if kind == "wandb":
+        return WandbLogger(run_dir, cfg, config, run_id, name)
+    raise ValueError(f"unknown logger {kind!r}; valid: none, wandb")

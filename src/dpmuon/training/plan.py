@@ -1,0 +1,88 @@
+"""The privacy plan of a run, fixed before step 1: q, steps, σ, and the ε they reach.
+
+The budget guard lives here: a plan whose ε exceeds the target is refused (with the overshoot),
+and impossible settings are rejected with one clear message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..errors import UserError
+from ..privacy import calibrate_noise_multiplier, epsilon_after, plan_steps
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    private: bool
+    dataset_size: int
+    expected_lot_size: int
+    sample_rate: float
+    steps: int
+    noise_multiplier: float
+    target_epsilon: float | None
+    delta: float | None
+    accountant: str | None
+    planned_epsilon: float | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_plan(
+    *,
+    private: bool,
+    dataset_size: int,
+    expected_lot_size: int,
+    epochs: float | None,
+    steps: int | None,
+    target_epsilon: float,
+    delta: float,
+    accountant: str,
+    noise_multiplier: float | None,
+) -> PrivacyPlan:
+    if dataset_size <= 0:
+        raise UserError("the training set is empty")
+    if not 0 < expected_lot_size <= dataset_size:
+        raise UserError(f"expected lot size {expected_lot_size} must be in [1, N={dataset_size}] (the training set size)")
+    q = expected_lot_size / dataset_size
+    if steps is None:
+        if epochs is None or epochs <= 0:
+            raise UserError(f"trainer.epochs must be > 0 (got {epochs}) unless trainer.steps is set")
+        steps = plan_steps(epochs, q)
+    if steps < 1:
+        raise UserError(f"trainer.steps must be >= 1, got {steps}")
+    if not private:
+        return PrivacyPlan(False, dataset_size, expected_lot_size, q, steps, 0.0, None, None, None, None)
+
+    if not target_epsilon > 0:
+        raise UserError(f"privacy.target_epsilon must be > 0, got {target_epsilon}")
+    if not 0 < delta < 1 / dataset_size:
+        raise UserError(
+            f"privacy.delta={delta:g} must be in (0, 1/N) = (0, {1 / dataset_size:.3g}) for N={dataset_size}: "
+            "a δ of 1/N or more allows releasing an example outright"
+        )
+    if noise_multiplier is None:
+        sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant)
+    else:
+        sigma = float(noise_multiplier)
+        if sigma <= 0:
+            raise UserError(f"privacy.noise_multiplier must be > 0 for a private run, got {sigma}")
+    planned = epsilon_after(sigma, q, steps, delta, accountant)
+    if not planned <= target_epsilon:  # also refuses a NaN ε
+        raise UserError(
+            f"this plan spends ε={planned:.4g} > target {target_epsilon:g} (over by {planned - target_epsilon:.3g}): "
+            f"σ={sigma:g}, q={q:.4g}, {steps} steps, δ={delta:g}. Raise the noise multiplier (or leave it null to "
+            "calibrate), or train fewer steps"
+        )
+    return PrivacyPlan(True, dataset_size, expected_lot_size, q, steps, sigma, target_epsilon, delta, accountant, planned)
+
+
+def check_resume_compatible(stored: dict, current: PrivacyPlan) -> None:
+    """A resumed run must continue the same mechanism: same N, q, σ, δ, accountant."""
+    for key in ("private", "dataset_size", "sample_rate", "noise_multiplier", "delta", "accountant", "steps"):
+        old, new = stored.get(key), getattr(current, key)
+        same = old == new or (isinstance(old, float) and isinstance(new, float) and math.isclose(old, new, rel_tol=1e-12))
+        if not same:
+            raise UserError(f"cannot resume: the stored run has {key}={old!r}, this configuration gives {new!r}")

@@ -1,0 +1,86 @@
+"""Every config group combination composes, resolves, and builds its optimizer."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import tiny_gpt2
+from dpmuon.models import hidden_matrices
+from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
+from dpmuon.train import CONFIG_DIR
+from helpers_train import compose_config, compose_many
+
+GROUPS = {name: sorted(p.stem for p in (Path(CONFIG_DIR) / name).glob("*.yaml")) for name in ("optimizer", "dataset", "model", "privacy", "logger")}
+EXPERIMENTS = [None] + sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
+
+
+def test_groups_offer_what_the_docs_promise():
+    assert GROUPS["optimizer"] == ["adam", "dp_adam", "dp_muon", "dp_muonbc", "dp_sgd", "muon"]
+    assert GROUPS["dataset"] == ["dart", "e2e"]
+    assert {"tiny", "gpt2", "gpt2-medium", "distilgpt2"} <= set(GROUPS["model"])
+    assert {"smoke", "e2e", "dart"} <= set(EXPERIMENTS[1:])
+
+
+def combinations(experiment):
+    """optimizer × dataset crossed in full (they interpolate into each other: learning rates,
+    δ); model, privacy and logger cycled so every option of theirs meets every experiment.
+    The full 192-way product per experiment would cost minutes of Hydra composition."""
+    cycled = [GROUPS["model"], GROUPS["privacy"], GROUPS["logger"]]
+    for i, (optimizer, dataset) in enumerate(itertools.product(GROUPS["optimizer"], GROUPS["dataset"])):
+        overrides = [f"optimizer={optimizer}", f"dataset={dataset}"]
+        overrides += [f"{g}={opts[(i // k) % len(opts)]}" for g, opts, k in zip(("model", "privacy", "logger"), cycled, (1, 1, 2))]
+        yield overrides + ([f"experiment={experiment}"] if experiment else [])
+
+
+def test_combinations_cover_every_option():
+    for experiment in EXPERIMENTS:
+        seen = {tuple(o.split("=")) for overrides in combinations(experiment) for o in overrides}
+        assert all((g, c) in seen for g, options in GROUPS.items() for c in options)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_combination_composes_and_resolves(experiment):
+    for _, cfg in compose_many(combinations(experiment)):
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        assert resolved["optimizer"]["kind"] in OPTIMIZERS
+        assert resolved["privacy"]["delta"] == resolved["dataset"]["delta"]
+        assert resolved["optimizer"]["lr"] > 0
+
+
+def test_experiments_set_the_paper_protocol():
+    e2e = compose_config("experiment=e2e")
+    assert (e2e.dataset.name, e2e.model.name_or_path, e2e.privacy.expected_lot_size) == ("e2e", "gpt2", 1024)
+    assert (e2e.trainer.epochs, e2e.privacy.delta, e2e.privacy.clip_norm, e2e.privacy.target_epsilon) == (10, 8e-6, 0.1, 8.0)
+    assert e2e.optimizer.lr == 2e-3  # DP-Adam's E2E rate from prior work
+    dart = compose_config("experiment=dart")
+    assert (dart.dataset.name, dart.trainer.epochs, dart.privacy.delta, dart.optimizer.lr) == ("dart", 15, 1e-5, 5e-4)
+    # An experiment fixes only its deltas: the user's later choices still win.
+    assert compose_config("experiment=e2e", "optimizer=dp_muonbc").optimizer.name == "dp_muonbc"
+
+
+@pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
+def test_each_optimizer_config_builds_its_optimizer(optimizer):
+    cfg = compose_config(f"optimizer={optimizer}")
+    model = tiny_gpt2()
+    opt = build_optimizer(
+        cfg.optimizer.kind,
+        OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model)),
+        OmegaConf.to_container(cfg.optimizer, resolve=True),
+    )
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    assert cfg.optimizer.private == optimizer.startswith("dp_")
+
+
+def test_dp_muonbc_is_dp_muon_plus_correction():
+    muon, bc = compose_config("optimizer=dp_muon").optimizer, compose_config("optimizer=dp_muonbc").optimizer
+    differing = {k for k in set(muon) | set(bc) if muon.get(k) != bc.get(k)}
+    assert differing == {"name", "kind", "bias_correction"}
+
+
+def test_unknown_optimizer_kind_lists_valid_ones():
+    with pytest.raises(ValueError, match="valid: adam, muon, muonbc, sgd"):
+        build_optimizer("lion", OptimizerInputs(params={}), {})

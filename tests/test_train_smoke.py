@@ -1,0 +1,85 @@
+"""The driver end to end on real E2E and DART subsets: artifacts of SPEC §4 and ε ≤ target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dpmuon.training.loop import run
+from helpers_train import compose_config, require_real_data
+
+TINY = [
+    "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",
+    "data.max_train_examples=300", "data.max_valid_examples=16", "data.max_test_sources=4",
+    "privacy.expected_lot_size=16", "trainer.steps=4", "trainer.micro_batch_size=8",
+    "trainer.eval_every=2", "trainer.checkpoint_every=2", "eval.num_beams=2", "eval.max_new_tokens=8",
+    "logging.progress=false", "logger=none",
+    "privacy.noise_multiplier=1.0",  # calibration (seconds of PRV) is exercised once, below
+]  # fmt: skip
+SUMMARY_KEYS = {
+    "dataset", "optimizer", "model", "seed", "target_epsilon", "epsilon", "delta", "noise_multiplier",
+    "sample_rate", "steps", "accountant", "clip_mode", "test_nll", "bleu", "rouge_l", "train_seconds",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dataset", ["e2e", "dart"])
+@pytest.mark.parametrize("optimizer", ["dp_sgd", "dp_adam", "dp_muon", "dp_muonbc"])
+def test_smoke_run_writes_the_artifact_contract(tmp_path, dataset, optimizer):
+    require_real_data()
+    cfg = compose_config("experiment=smoke", f"dataset={dataset}", f"optimizer={optimizer}", *TINY)
+    summary = run(cfg, tmp_path)
+
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == summary and SUMMARY_KEYS <= set(on_disk)
+    assert on_disk["optimizer"] == optimizer and on_disk["dataset"] == dataset and on_disk["steps"] == 4
+    assert 0 < on_disk["epsilon"] <= on_disk["target_epsilon"] == 8.0
+    assert on_disk["noise_multiplier"] == 1.0 and on_disk["accountant"] == "prv"
+    assert on_disk["test_nll"] > 0 and 0 <= on_disk["bleu"] <= 100 and 0 <= on_disk["rouge_l"] <= 100
+
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all({"train_loss", "epsilon", "lr", "lot_size", "clip_fraction", "mean_grad_norm", "noise_std", "step_seconds"} <= set(r) for r in rows)
+    eps = [r["epsilon"] for r in rows]
+    assert eps == sorted(eps) and eps[-1] == pytest.approx(on_disk["epsilon"])
+    assert [r["step"] for r in rows if "val_nll" in r] == [2, 4]
+    if optimizer.startswith("dp_muon"):
+        assert len(rows[0]["snr"]) == 4  # one estimate per hidden matrix (1 layer × 4)
+
+    generations = (tmp_path / "generations.txt").read_text().split("\n")[:-1]
+    assert len(generations) == on_disk["test_sources"] == 4
+    assert (tmp_path / "checkpoint.pt").exists()
+
+
+def test_calibrated_run_spends_its_budget_and_no_more(tmp_path):
+    require_real_data()
+    cfg = compose_config("experiment=smoke", "optimizer=dp_adam", *TINY, "privacy.noise_multiplier=null", "privacy.target_epsilon=3")
+    summary = run(cfg, tmp_path)
+    assert summary["epsilon"] <= 3.0
+    assert summary["epsilon"] == pytest.approx(3.0, abs=0.02)  # calibrated to the target, not far below
+
+
+def test_disabling_nonprivate_diagnostics_leaves_only_released_quantities(tmp_path):
+    require_real_data()
+    cfg = compose_config("experiment=smoke", "optimizer=dp_muon", "logging.nonprivate_diagnostics=false", *TINY)
+    run(cfg, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    allowed = {"step", "epsilon", "lr", "noise_std", "snr", "snr_median", "val_nll"}
+    assert all(set(r) <= allowed for r in rows), [set(r) - allowed for r in rows]
+
+
+def test_non_private_reference_records_no_epsilon(tmp_path):
+    require_real_data()
+    summary = run(compose_config("experiment=smoke", "optimizer=adam", *TINY), tmp_path)
+    assert summary["noise_multiplier"] == 0 and summary["epsilon"] is None and summary["private"] is False
+
+
+def test_wandb_offline_run_is_written_beside_the_local_files(tmp_path, monkeypatch):
+    require_real_data()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    summary = run(compose_config("experiment=smoke", "optimizer=dp_muon", *TINY, "logger=wandb"), tmp_path)
+    offline = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1 and offline[0].stat().st_size > 0
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert (tmp_path / "curves" / "e2e" / "curves.png").exists()
