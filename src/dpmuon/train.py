@@ -44,8 +44,8 @@ def main(cfg: DictConfig) -> float | None:
     except (UserError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    # Multirun sweepers (e.g. Optuna) minimise the returned value.
-    return summary.get("val_nll")
+    # Multirun sweepers (e.g. Optuna) minimise the returned value; ranks > 0 return None.
+    return summary.get("val_nll") if summary else None
 
 
 if __name__ == "__main__":

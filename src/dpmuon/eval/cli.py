@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dpmuon.eval.curves import write_curves
 from dpmuon.eval.runs import Run, RunFormatError, find_runs
+from dpmuon.eval.sweeps import write_sweep_plots
 from dpmuon.eval.tables import write_tables
 
 # argparse's own convention for usage errors; also used for unusable input.
@@ -35,6 +36,18 @@ def curves_main(argv: Sequence[str] | None = None) -> int:
         "with a min–max band, one line per (optimizer, model, target ε).",
         write=write_curves,
         what="figures",
+    )
+
+
+def sweep_plots_main(argv: Sequence[str] | None = None) -> int:
+    return _main(
+        argv,
+        prog="make_sweep_plots.py",
+        description="Plot final BLEU and test NLL against target ε and against the clipping threshold "
+        "from every run's summary.json into <out>/<dataset>/utility_vs_{epsilon,clip}.png: one line "
+        "per optimizer (and clipping mode where it varies), mean over seeds with a min–max band.",
+        write=write_sweep_plots,
+        what="sweep plots",
     )
 
 

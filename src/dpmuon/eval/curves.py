@@ -103,17 +103,17 @@ def write_curves(runs: Sequence[Run], out_dir: Path) -> list[Path]:
         folder.mkdir(parents=True, exist_ok=True)
         curves = {panel.key: aggregate_curves(dataset_runs, panel.key) for panel in PANELS}
 
-        combined = _new_figure(width=5.2 * len(PANELS))
+        combined = new_figure(width=5.2 * len(PANELS))
         for axes, panel in zip(combined.subplots(1, len(PANELS)), PANELS):
             draw_panel(axes, panel, curves[panel.key])
         combined.suptitle(f"{dataset} ({BAND_NOTE})")
-        written.append(_save(combined, folder / "curves.png"))
+        written.append(save_figure(combined, folder / "curves.png"))
 
         for panel in PANELS:
-            single = _new_figure(width=6.0)
+            single = new_figure(width=6.0)
             draw_panel(single.subplots(), panel, curves[panel.key])
             single.suptitle(f"{dataset} ({BAND_NOTE})", fontsize="medium")
-            written.append(_save(single, folder / panel.file_name))
+            written.append(save_figure(single, folder / panel.file_name))
     return written
 
 
@@ -140,12 +140,12 @@ def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]
     axes.legend(fontsize="small")
 
 
-def _new_figure(width: float) -> Figure:
+def new_figure(width: float) -> Figure:
     figure = Figure(figsize=(width, 4.2), layout="constrained")
     FigureCanvasAgg(figure)
     return figure
 
 
-def _save(figure: Figure, path: Path) -> Path:
+def save_figure(figure: Figure, path: Path) -> Path:
     figure.savefig(path, format="png", dpi=120, metadata=_PNG_METADATA)
     return path

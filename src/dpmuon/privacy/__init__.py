@@ -10,6 +10,7 @@ from .accountant import (
 )
 from .blocks import Block, BlockPartition, build_partition
 from .clipping import clip_factors, per_example_block_norms
+from .distributed import DataParallel, init_data_parallel
 from .engines import ENGINES, build_engine
 from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
 from .privatizer import NonFiniteReleaseError, NonPrivateRelease, Privatizer, ReleaseStats
@@ -19,6 +20,7 @@ __all__ = [
     "ACCOUNTANTS",
     "Block",
     "BlockPartition",
+    "DataParallel",
     "ENGINES",
     "GaussianNoise",
     "NonFiniteReleaseError",
@@ -36,6 +38,7 @@ __all__ = [
     "clip_factors",
     "effective_noise_multiplier",
     "epsilon_after",
+    "init_data_parallel",
     "per_example_block_norms",
     "plan_steps",
 ]

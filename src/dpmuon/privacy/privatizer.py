@@ -16,6 +16,7 @@ from torch import nn
 
 from .accountant import PrivacyAccountant
 from .blocks import BlockPartition
+from .distributed import SINGLE, DataParallel
 from .engines import PerExampleLoss, build_engine
 from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
 
@@ -64,6 +65,7 @@ class Privatizer:
     noise: GaussianNoise = field(default_factory=GaussianNoise)
     noise_allocation: str = "uniform"
     engine: str = "opacus"
+    parallel: DataParallel = SINGLE  # this rank's place; micro_batches are then its shard of the lot
 
     def __post_init__(self):
         if self.expected_lot_size <= 0:
@@ -95,13 +97,15 @@ class Privatizer:
             stats.clipped += clip.clipped
 
         block_of = self.partition.block_index()
-        released = {}
-        for name, p in self.params.items():
-            std = self.block_stds[block_of[name]]
-            noisy = summed[name]
-            if std > 0:
-                noisy += std * self.noise.standard_normal(noisy.shape, noisy.device)
-            released[name] = (noisy / self.expected_lot_size).to(p.dtype)
+        if self.parallel.is_main:  # noise is drawn once per step, whatever the number of ranks
+            for name, noisy in summed.items():
+                std = self.block_stds[block_of[name]]
+                if std > 0:
+                    noisy += std * self.noise.standard_normal(noisy.shape, noisy.device)
+        if self.parallel.world_size > 1:
+            self.parallel.all_reduce_sum(list(summed.values()))
+            stats = _reduce_stats(stats, self.parallel)
+        released = {name: (summed[name] / self.expected_lot_size).to(p.dtype) for name, p in self.params.items()}
         bad = [name for name, g in released.items() if not torch.isfinite(g).all()]
         if bad:  # checked before any p.grad is written: nothing half-released
             raise NonFiniteReleaseError(
@@ -120,14 +124,25 @@ class Privatizer:
         self._engine.close()
 
 
+def _reduce_stats(stats: ReleaseStats, parallel: DataParallel) -> ReleaseStats:
+    packed = torch.tensor(
+        [stats.lot_size, stats.loss_sum, stats.loss_count, stats.norm_sum, stats.nonfinite, *stats.clipped.tolist()],
+        dtype=torch.float64,
+    )
+    parallel.all_reduce_sum([packed])
+    lot, loss_sum, count, norm_sum, nonfinite, *clipped = packed.tolist()
+    return ReleaseStats(int(lot), loss_sum, int(count), norm_sum, int(nonfinite), torch.tensor(clipped).long())
+
+
 class NonPrivateRelease:
     """The non-private reference with the privatizer's interface: p.grad = mean gradient of the
     lot, no clipping, no noise, nothing accounted."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, parallel: DataParallel = SINGLE):
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.model = model
         self.noise_multiplier = 0.0
+        self.parallel = parallel
 
     def release_noise_std(self) -> dict[str, float]:
         return {n: 0.0 for n in self.params}
@@ -135,16 +150,19 @@ class NonPrivateRelease:
     def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> ReleaseStats:
         for p in self.params.values():
             p.grad = None
-        stats = ReleaseStats()
+        stats = ReleaseStats(clipped=torch.zeros(0, dtype=torch.long))
         for batch in micro_batches:
             losses = loss_fn(self.model, batch)
             losses.sum().backward()
             stats.lot_size += int(losses.shape[0])
             stats.loss_sum += float(losses.detach().sum())
             stats.loss_count += int(losses.shape[0])
-        for p in self.params.values():
-            if p.grad is not None and stats.lot_size:
-                p.grad /= stats.lot_size
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params.values()]
+        if self.parallel.world_size > 1:
+            self.parallel.all_reduce_sum(grads)
+            stats = _reduce_stats(stats, self.parallel)
+        for p, grad in zip(self.params.values(), grads):
+            p.grad = grad / stats.lot_size if stats.lot_size else grad
         return stats
 
     def epsilon(self) -> float | None:

@@ -9,16 +9,13 @@ from typing import Mapping
 from .run_files import MetricsLog
 
 
-class LocalLogger:
-    """metrics.jsonl in the run directory (crash-safe appends)."""
+class NullLogger:
+    """For ranks > 0 under torchrun: rank 0 owns the run's files."""
 
     run_id: str | None = None
 
-    def __init__(self, run_dir: Path):
-        self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl")
-
     def log(self, row: Mapping) -> None:
-        self.metrics.append(dict(row))
+        pass
 
     def summary(self, summary: Mapping) -> None:
         pass
@@ -28,6 +25,16 @@ class LocalLogger:
 
     def finish(self) -> None:
         pass
+
+
+class LocalLogger(NullLogger):
+    """metrics.jsonl in the run directory (crash-safe appends)."""
+
+    def __init__(self, run_dir: Path):
+        self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl")
+
+    def log(self, row: Mapping) -> None:
+        self.metrics.append(dict(row))
 
 
 class WandbLogger(LocalLogger):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import statistics
 import sys
@@ -36,26 +37,30 @@ from ..privacy import (
     build_partition,
 )
 from ..privacy.blocks import partition_summary
+from ..privacy.distributed import DataParallel, init_data_parallel
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_restore, rng_snapshot, save_checkpoint
 from .data import prepare_data
 from .evaluation import decode, token_nll
-from .loggers import build_logger
+from .loggers import NullLogger, build_logger
 from .plan import check_resume_compatible, make_plan
 from .run_files import MetricsLog, atomic_write, atomic_write_json, code_version, command_line
 
 
 def log(message: str) -> None:
-    tqdm.write(f"[dpmuon] {message}", file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:  # one voice under torchrun
+        tqdm.write(f"[dpmuon] {message}", file=sys.stderr)
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown trainer.device {name!r}; valid: auto, cpu, cuda")
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("trainer.device=cuda but no CUDA device is available")
-    if name not in ("cpu", "cuda"):
-        raise UserError(f"unknown trainer.device {name!r}; valid: auto, cpu, cuda")
-    return torch.device(name)
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # torchrun: one GPU per process
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def autocast_factory(precision: str, device: torch.device):
@@ -88,18 +93,30 @@ class StopRequest:
         self.signum = signum
         log(f"received {signal.Signals(signum).name}: finishing this step, then checkpointing")
 
+    def requested(self, parallel: DataParallel) -> bool:
+        """Stop if any rank was signalled, so that all ranks stop at the same step."""
+        if parallel.world_size == 1:
+            return self.signum is not None
+        flag = torch.tensor([1.0 if self.signum is not None else 0.0])
+        parallel.all_reduce_sum([flag])
+        return bool(flag.item() > 0)
+
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Train, evaluate and write the run's artifacts; returns the summary (None on ranks > 0)."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     torch.manual_seed(int(cfg.seed))
     device = resolve_device(cfg.trainer.device)
+    parallel = init_data_parallel(device.type)
+    # Every rank writes into rank 0's directory (Hydra's timestamps may differ between ranks).
+    run_dir = Path(parallel.broadcast_object(str(run_dir)) if parallel.world_size > 1 else run_dir)
+    if parallel.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     autocast = autocast_factory(cfg.trainer.precision, device)
     progress = bool(cfg.logging.progress)
     diagnostics = bool(cfg.logging.nonprivate_diagnostics)
@@ -162,9 +179,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             noise=GaussianNoise(generators["noise"], secure=bool(cfg.privacy.secure_noise)),
             noise_allocation=cfg.privacy.noise_allocation,
             engine=cfg.privacy.engine,
+            parallel=parallel,
         )
     else:
-        partition, accountant, release = None, None, NonPrivateRelease(model)
+        partition, accountant, release = None, None, NonPrivateRelease(model, parallel)
     noise_std = release.release_noise_std()
     optimizer = build_optimizer(
         cfg.optimizer.kind,
@@ -193,12 +211,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 raise UserError(f"checkpoint inconsistent: {accountant.steps} accounted steps at step {state['step']}")
         start_step, train_seconds, logger_id = state["step"], state["train_seconds"], state.get("logger_id")
         log(f"resumed from step {start_step} of {plan.steps}" + (f", ε so far {accountant.epsilon():.4f}" if accountant else ""))
-    metrics.truncate_after(start_step)
-
     config = OmegaConf.to_container(cfg, resolve=True)
-    logger = build_logger(cfg.logger, run_dir, {**config, "plan": plan.as_dict()}, logger_id, run_dir.name)
+    if parallel.is_main:
+        metrics.truncate_after(start_step)
+        logger = build_logger(cfg.logger, run_dir, {**config, "plan": plan.as_dict()}, logger_id, run_dir.name)
+    else:
+        logger = NullLogger()
 
     def checkpoint(step: int) -> None:
+        if not parallel.is_main:
+            return
         save_checkpoint(
             ckpt_path,
             {
@@ -216,7 +238,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     def lot_batches(lot: list[int]):
         # Similar lengths together means less padding; the sum over the lot is order-free.
-        lot = sorted(lot, key=lambda i: len(data.train[i].input_ids))
+        lot = sorted(parallel.shard(lot), key=lambda i: len(data.train[i].input_ids))
         size = int(cfg.trainer.micro_batch_size)
         for i in range(0, len(lot), size):
             batch = collate([data.train[j] for j in lot[i : i + size]], pad_id)
@@ -235,7 +257,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     eps_every = max(1, int(cfg.logging.epsilon_every))
     stopped_by_guard = False
     with StopRequest() as stop:
-        bar = tqdm(range(start_step + 1, plan.steps + 1), desc="train", disable=not progress, initial=start_step, total=plan.steps)
+        bar = tqdm(
+            range(start_step + 1, plan.steps + 1), desc="train", disable=not (progress and parallel.is_main), initial=start_step, total=plan.steps
+        )
         for step in bar:
             if accountant and not within_budget(accountant, plan):
                 log(f"budget guard: step {step} would exceed ε={plan.target_epsilon}; stopping")
@@ -277,20 +301,23 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     if fractions:
                         row["clip_fraction"] = sum(fractions) / len(fractions)
                         row["clip_fraction_by_block"] = {b.name: f for b, f in zip(partition.blocks, fractions)}
-            if (eval_every and step % eval_every == 0) or step == plan.steps:
+            if parallel.is_main and ((eval_every and step % eval_every == 0) or step == plan.steps):
                 row["val_nll"] = validation_nll()
             logger.log(_finite(row))
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("train_loss", "val_nll", "epsilon") if row.get(k) is not None})
 
-            if (ckpt_every and step % ckpt_every == 0) or step == plan.steps or stop.signum is not None:
+            stopping = stop.requested(parallel)
+            if (ckpt_every and step % ckpt_every == 0) or step == plan.steps or stopping:
                 checkpoint(step)
-            if stop.signum is not None:
+            if stopping:
                 logger.finish()
                 log(f"checkpointed at step {step}; resume with: python -m dpmuon.train resume={run_dir}")
-                raise SystemExit(128 + stop.signum)
+                raise SystemExit(128 + (stop.signum or signal.SIGTERM))
         bar.close()
     release.close()
     final_step = accountant.steps if accountant else plan.steps
+    if not parallel.is_main:  # rank 0 evaluates and writes the artifacts
+        return None
 
     # ---- evaluation ------------------------------------------------------------------------
     log("evaluating on the test set")
@@ -321,6 +348,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "clip_norm": float(cfg.privacy.clip_norm) if private else None,
         "sampling": sampling,
         "engine": cfg.privacy.engine if private else None,
+        "world_size": parallel.world_size,
         "tied_lm_head": lm_head_is_tied(model),
         "test_nll": test_nll,
         "val_nll": _last(metrics.rows(), "val_nll"),

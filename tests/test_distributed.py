@@ -1,0 +1,109 @@
+"""Two processes (gloo, CPU) release exactly what one process releases from the same lots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import tiny_gpt2, token_batch
+from dpmuon.models import hidden_matrices, per_example_lm_loss
+from dpmuon.optim import OptimizerInputs, build_optimizer
+from dpmuon.privacy import DataParallel, GaussianNoise, PrivacyAccountant, Privatizer, build_partition
+from helpers_train import require_real_data
+
+DATA = token_batch(40, seed=11)
+LOTS = [[0, 3, 4, 9, 12, 15, 21, 30, 33], [1, 2, 8, 17, 25, 39], [5, 6, 7, 10, 11, 13, 14, 16, 18, 19, 20]]
+MUONBC = {"lr": 0.02, "momentum": 0.9, "adam": {"lr": 1e-3}, "bias_correction": {"probe_scale": 1.0, "num_probes": 1}}
+
+
+def train_steps(parallel: DataParallel) -> dict:
+    """A few DP-MuonBC steps on the fixed lots; this rank processes its shard of each lot."""
+    torch.manual_seed(0)
+    model = tiny_gpt2(tie=True)
+    partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.5, matrix_names=hidden_matrices(model))
+    privatizer = Privatizer(
+        model, partition, noise_multiplier=0.8, expected_lot_size=8, sample_rate=0.2, accountant=PrivacyAccountant(1e-5),
+        noise=GaussianNoise(torch.Generator().manual_seed(5)), parallel=parallel,
+    )  # fmt: skip
+    optimizer = build_optimizer(
+        "muonbc",
+        OptimizerInputs(dict(model.named_parameters()), hidden_matrices(model), privatizer.release_noise_std(), torch.Generator().manual_seed(6)),
+        MUONBC,
+    )
+    released, lot_sizes = [], []
+    for lot in LOTS:
+        shard = parallel.shard(lot)
+        batches = [{k: v[shard[i : i + 2]] for k, v in DATA.items()} for i in range(0, len(shard), 2)]
+        stats = privatizer.release(batches, per_example_lm_loss)
+        released.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        lot_sizes.append(stats.lot_size)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"released": released, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "lot_sizes": lot_sizes, "steps": privatizer.accountant.steps}
+
+
+def _worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    result = train_steps(DataParallel(rank, 2))
+    torch.save(result, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_two_gloo_processes_release_what_one_process_releases(tmp_path):
+    torch.set_num_threads(1)
+    single = train_steps(DataParallel(0, 1))
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(2)]
+    for result in ranks:  # both ranks hold the single-process release and parameters
+        assert result["lot_sizes"] == single["lot_sizes"] == [len(lot) for lot in LOTS]
+        assert result["steps"] == single["steps"] == len(LOTS)
+        for step, grads in enumerate(result["released"]):
+            for name, g in grads.items():
+                assert torch.allclose(g, single["released"][step][name], atol=1e-6, rtol=1e-5), (step, name)
+        for name, p in result["params"].items():
+            assert torch.allclose(p, single["params"][name], atol=1e-5, rtol=1e-5), name
+    for name in ranks[0]["params"]:  # and the ranks agree bit for bit: one noise draw, broadcast by the sum
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])
+
+
+def test_shards_partition_the_lot():
+    lot = list(range(11))
+    shards = [DataParallel(r, 3).shard(lot) for r in range(3)]
+    assert sorted(sum(shards, [])) == lot and all(shards)
+
+
+TORCHRUN_TINY = [
+    "experiment=smoke", "optimizer=dp_muonbc", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",
+    "data.max_train_examples=200", "data.max_valid_examples=8", "data.max_test_sources=2", "privacy.expected_lot_size=16",
+    "privacy.noise_multiplier=1.0", "trainer.steps=4", "trainer.micro_batch_size=4", "trainer.num_threads=1",
+    "eval.num_beams=1", "eval.max_new_tokens=4", "logging.progress=false", "logger=none",
+]  # fmt: skip
+
+
+def test_torchrun_two_processes_match_one_process(tmp_path):
+    """The whole driver under torchrun (gloo): same ε, metrics and final weights as one process."""
+    require_real_data()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, "-m", "dpmuon.train", *TORCHRUN_TINY, f"hydra.run.dir={tmp_path / 'one'}"], capture_output=True, text=True, env=env, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dpmuon.train", *TORCHRUN_TINY, f"hydra.run.dir={tmp_path / 'two'}"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert double.returncode == 0, double.stderr[-3000:]
+    one, two = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["epsilon"] == one["epsilon"] and two["steps"] == one["steps"]
+    rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "two")]
+    assert [r["lot_size"] for r in rows[0]] == [r["lot_size"] for r in rows[1]]  # same global lots
+    assert [r["train_loss"] for r in rows[0]] == pytest.approx([r["train_loss"] for r in rows[1]], rel=1e-5)
+    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False)["model"] for d in ("one", "two"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-5) for k in a)
