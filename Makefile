@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-slow data smoke bench-bias
+.PHONY: help setup test test-slow data smoke bench-bias bench-step audit reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
 
 help: ## List every target with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
@@ -35,3 +35,40 @@ data: ## Fetch raw E2E and DART into data/raw/ (or LINK=DIR to link a local copy
 
 smoke: ## One tiny private run on real data (DP-MuonBC on E2E, under 2 minutes on 2 CPU cores)
 	$(PYTHON) -m dpmuon.train experiment=smoke optimizer=dp_muonbc dataset=e2e logger=none
+
+SEEDS ?= 0,1,2
+RUNS ?= multirun
+OPTIMIZERS := dp_sgd,dp_adam,dp_muon,dp_muonbc
+
+reproduce-e2e: ## Paper protocol on E2E (GPU, GPT-2 from the hub): 4 optimizers x SEEDS, then tables and curves → results/paper/e2e
+	$(PYTHON) -m dpmuon.train -m experiment=e2e optimizer=$(OPTIMIZERS) seed=$(SEEDS) hydra.sweep.dir=$(RUNS)/paper_e2e
+	$(PYTHON) scripts/make_tables.py $(RUNS)/paper_e2e --out results/paper
+	$(PYTHON) scripts/make_curves.py $(RUNS)/paper_e2e --out results/paper
+
+reproduce-dart: ## Paper protocol on DART (GPU, GPT-2 from the hub): 4 optimizers x SEEDS, then tables and curves → results/paper/dart
+	$(PYTHON) -m dpmuon.train -m experiment=dart optimizer=$(OPTIMIZERS) seed=$(SEEDS) hydra.sweep.dir=$(RUNS)/paper_dart
+	$(PYTHON) scripts/make_tables.py $(RUNS)/paper_dart --out results/paper
+	$(PYTHON) scripts/make_curves.py $(RUNS)/paper_dart --out results/paper
+
+reproduce-e2e-cpu: ## The E2E pipeline at CPU scale (tiny model, real data, ~25 min on 2 cores) → results/cpu-pipeline/e2e
+	$(PYTHON) -m dpmuon.train -m experiment=e2e_cpu optimizer=$(OPTIMIZERS) seed=0 hydra.sweep.dir=$(RUNS)/e2e_cpu
+	$(PYTHON) scripts/make_tables.py $(RUNS)/e2e_cpu --out results/cpu-pipeline
+	$(PYTHON) scripts/make_curves.py $(RUNS)/e2e_cpu --out results/cpu-pipeline
+
+reproduce-dart-cpu: ## The DART pipeline at CPU scale (tiny model, real data, ~30 min on 2 cores) → results/cpu-pipeline/dart
+	$(PYTHON) -m dpmuon.train -m experiment=dart_cpu optimizer=$(OPTIMIZERS) seed=0 hydra.sweep.dir=$(RUNS)/dart_cpu
+	$(PYTHON) scripts/make_tables.py $(RUNS)/dart_cpu --out results/cpu-pipeline
+	$(PYTHON) scripts/make_curves.py $(RUNS)/dart_cpu --out results/cpu-pipeline
+
+models/public-for-%:
+	$(PYTHON) scripts/pretrain_public.py --private $*
+
+results-cpu: models/public-for-e2e models/public-for-dart ## The committed CPU-scale reproduction (hours): public pretraining, tuning, 3 seeds → results/{e2e,dart}
+	$(PYTHON) scripts/reproduce_cpu.py --dataset e2e
+	$(PYTHON) scripts/reproduce_cpu.py --dataset dart
+
+bench-step: ## Step throughput and peak memory: non-private vs Opacus vs fast engine (tiny model on CPU)
+	$(PYTHON) scripts/bench_step.py --threads 1
+
+audit: ## Empirical privacy audit (one-run, Dirac canaries): correct vs deliberately broken mechanisms
+	$(PYTHON) scripts/audit_privacy.py --mode full

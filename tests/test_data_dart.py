@@ -15,8 +15,8 @@ def write_json(path: Path, items: Any) -> Path:
     return path
 
 
-def item(tripleset: Any, *texts: str) -> dict[str, Any]:
-    return {"tripleset": tripleset, "annotations": [{"source": "s", "text": t} for t in texts]}
+def item(tripleset: Any, *texts: str, origin: str = "webnlg") -> dict[str, Any]:
+    return {"tripleset": tripleset, "annotations": [{"source": origin, "text": t} for t in texts]}
 
 
 def test_one_example_per_annotation_with_linearized_triples(tmp_path: Path) -> None:
@@ -25,10 +25,10 @@ def test_one_example_per_annotation_with_linearized_triples(tmp_path: Path) -> N
     path = write_json(tmp_path / "dev.json", [first, item([["X", "Y", "Z"]], "")])
 
     assert read_dart_json(path) == [
-        Example("Mars Hill : JOINED : 1973 | Mars Hill : LOCATION : NC", "A."),
-        Example("Mars Hill : JOINED : 1973 | Mars Hill : LOCATION : NC", "B."),
+        Example("Mars Hill : JOINED : 1973 | Mars Hill : LOCATION : NC", "A.", "webnlg"),
+        Example("Mars Hill : JOINED : 1973 | Mars Hill : LOCATION : NC", "B.", "webnlg"),
         # An empty text is a real reference in the official test set, so it is kept.
-        Example("X : Y : Z", ""),
+        Example("X : Y : Z", "", "webnlg"),
     ]
 
 
@@ -37,7 +37,20 @@ def test_reads_gzip(tmp_path: Path) -> None:
     with gzip.open(path, "wt", encoding="utf-8") as handle:
         json.dump([item([["a", "b", "c"]], "t")], handle)
 
-    assert read_dart_json(path) == [Example("a : b : c", "t")]
+    assert read_dart_json(path) == [Example("a : b : c", "t", "webnlg")]
+
+
+def test_origins_can_be_excluded_in_every_split(tmp_path: Path) -> None:
+    """DART's E2E-derived annotations can be dropped to keep DART disjoint from E2E."""
+    from dpmuon.data import load_examples
+
+    (tmp_path / "dart").mkdir()
+    mixed = [item([["a", "b", "c"]], "from e2e", origin="e2e"), item([["d", "e", "f"]], "from webnlg")]
+    for split in ("train", "dev", "test"):
+        write_json(tmp_path / "dart" / f"dart-v1.1.1-full-{split}.json", mixed)
+    for split in ("train", "valid", "test"):
+        assert [e.target for e in load_examples("dart", split, tmp_path)] == ["from e2e", "from webnlg"]
+        assert [e.target for e in load_examples("dart", split, tmp_path, exclude_origins=["e2e"])] == ["from webnlg"]
 
 
 def test_invalid_json_reports_line_and_column(tmp_path: Path) -> None:

@@ -138,3 +138,19 @@ def test_length_filter_on_train(
     assert dropped_here == dropped
     assert len(kept) + dropped_here == len(examples)
     assert max(len(example.input_ids) for example in kept) <= max_length
+
+
+def test_truncated_bpe_is_lossless_and_smaller(data_root: Path, tokenizer) -> None:
+    """Keeping GPT-2's first 8000 merges: vocabulary 8258 (with pad), exact round trip."""
+    from dpmuon.data import load_tokenizer
+
+    small = load_tokenizer(os.environ["DPMUON_TOKENIZER"], bpe_merges=8000)
+    assert len(small) == 8258 and small.eos_token_id == 8256 and small.pad_token_id == 8257
+    examples = load_examples("e2e", "test", data_root)[:300] + load_examples("dart", "test", data_root)[:300]
+    texts = [" " + e.source for e in examples] + [" " + e.target for e in examples]
+    short = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    long = small(texts, add_special_tokens=False)["input_ids"]
+    assert all(small.decode(ids) == text for ids, text in zip(long, texts))
+    assert all(max(ids, default=0) < 8256 for ids in long)
+    ratio = sum(map(len, long)) / sum(map(len, short))
+    assert 1.0 < ratio < 1.4  # longer sequences, in exchange for a 6x smaller vocabulary

@@ -10,25 +10,27 @@ from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import NonFiniteReleaseError, PrivacyAccountant, Privatizer, build_engine, build_partition
 
 
-def poisoned(index: int, value: float):
-    """A per-example loss whose example `index` is multiplied by NaN/inf (so is its gradient)."""
+def poisoned(index: int, value: float, added: bool = False):
+    """A per-example loss whose example `index` is multiplied by NaN/inf (so is its gradient),
+    or has NaN/inf added (its gradient stays finite, its loss does not)."""
 
     def loss_fn(model, batch):
         losses = per_example_lm_loss(model, batch)
-        scale = torch.ones_like(losses)
-        scale[index] = value
-        return losses * scale
+        poison = torch.zeros_like(losses) if added else torch.ones_like(losses)
+        poison[index] = value
+        return losses + poison if added else losses * poison
 
     return loss_fn
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_nonfinite_example_contributes_zero_and_is_counted(value):
+@pytest.mark.parametrize("engine_name", ["opacus", "fast"])
+@pytest.mark.parametrize("value,added", [(float("nan"), False), (float("inf"), False), (float("nan"), True)])
+def test_nonfinite_example_contributes_zero_and_is_counted(engine_name, value, added):
     model = tiny_gpt2()
     partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.5, matrix_names=hidden_matrices(model))
-    engine = build_engine("opacus", model, partition)
+    engine = build_engine(engine_name, model, partition)
     batch = token_batch(5, seed=2)
-    summed, losses, stats = engine.clipped_sum(batch, poisoned(2, value))
+    summed, losses, stats = engine.clipped_sum(batch, poisoned(2, value, added))
     clean = {k: torch.cat([v[:2], v[3:]]) for k, v in batch.items()}
     expected, _, clean_stats = engine.clipped_sum(clean, per_example_lm_loss)
     assert stats.nonfinite == 1 and clean_stats.nonfinite == 0

@@ -83,3 +83,17 @@ def test_wandb_offline_run_is_written_beside_the_local_files(tmp_path, monkeypat
     assert len(offline) == 1 and offline[0].stat().st_size > 0
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert (tmp_path / "curves" / "e2e" / "curves.png").exists()
+
+
+def test_end_to_end_run_feeds_the_table_and_curve_scripts(tmp_path):
+    """Train → decode → score → table and curves, through the scripts' entry points."""
+    require_real_data()
+    from dpmuon.eval.cli import curves_main, tables_main
+
+    summary = run(compose_config("experiment=smoke", "optimizer=dp_muonbc", *TINY), tmp_path / "runs" / "a")
+    assert tables_main([str(tmp_path / "runs"), "--out", str(tmp_path / "results")]) == 0
+    assert curves_main([str(tmp_path / "runs"), "--out", str(tmp_path / "results")]) == 0
+    table = (tmp_path / "results" / "e2e" / "table.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| dp_muonbc"))
+    assert f"{summary['test_nll']:.4f}" in row and f"{summary['bleu']:.2f}" in row
+    assert (tmp_path / "results" / "e2e" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -88,5 +88,6 @@ def _examples_from_item(path: Path, index: int, item: Any) -> list[Example]:
                 f"annotation {position} is {annotation!r:.80}; "
                 "expected an object with a string `text`"
             )
-        examples.append(Example(source=source, target=annotation["text"].strip()))
+        origin = annotation.get("source", "")
+        examples.append(Example(source=source, target=annotation["text"].strip(), origin=origin if isinstance(origin, str) else ""))
     return examples

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from os import PathLike
 from pathlib import Path
 
@@ -23,12 +23,17 @@ def load_examples(
     split: str,
     root: str | PathLike[str] | None = None,
     fmt: str | None = None,
+    exclude_origins: Collection[str] = (),
 ) -> list[Example]:
     """Read one split as Examples in file order.
 
     `root` defaults to `default_data_root()`, `fmt` to the dataset's default format
-    (E2E: "prefix", DART: "json"). Raises DataError for unknown names, missing or bad files.
+    (E2E: "prefix", DART: "json"). `exclude_origins` drops examples whose `origin` is listed
+    (e.g. DART's E2E-derived annotations, to keep DART disjoint from E2E). Raises DataError for
+    unknown names, missing or bad files.
     """
     fmt = resolve_format(dataset, fmt)
     path = locate_split(dataset, split, default_data_root() if root is None else root, fmt)
-    return _READERS[dataset, fmt](path)
+    examples = _READERS[dataset, fmt](path)
+    excluded = set(exclude_origins)
+    return [e for e in examples if e.origin not in excluded] if excluded else examples

@@ -8,10 +8,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Example:
-    """One (linearized table, reference text) pair, the unit of training."""
+    """One (linearized table, reference text) pair, the unit of training.
+
+    `origin` names the corpus an annotation comes from where a dataset mixes several (DART:
+    "e2e", "webnlg", "WikiSQL_lily", …); empty otherwise.
+    """
 
     source: str
     target: str
+    origin: str = ""
 
 
 @dataclass(frozen=True)

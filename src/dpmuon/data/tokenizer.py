@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -13,12 +16,13 @@ DEFAULT_TOKENIZER = "gpt2"
 PAD_TOKEN = "<|pad|>"
 
 
-def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str | None = None, bpe_merges: int | None = None) -> PreTrainedTokenizerBase:
     """Load a tokenizer by hub id or local directory and make sure it has a pad token.
 
     None means $DPMUON_TOKENIZER when set, else the hub id "gpt2". GPT-2 ships without a pad
     token; a dedicated "<|pad|>" is added rather than reusing eos, because eos is a real
     training target here. The model's embedding must then be resized to `len(tokenizer)`.
+    `bpe_merges=K` keeps only the first K merges of the byte-level BPE (see `truncate_bpe`).
     """
     name = name_or_path or os.environ.get(TOKENIZER_VARIABLE) or DEFAULT_TOKENIZER
     try:
@@ -28,6 +32,35 @@ def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
             f"cannot load the tokenizer {name!r} ({error}); without internet access, set "
             f"${TOKENIZER_VARIABLE} to a local tokenizer directory"
         ) from error
+    if bpe_merges is not None:
+        tokenizer = truncate_bpe(tokenizer, int(bpe_merges))
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     return tokenizer
+
+
+def truncate_bpe(tokenizer: PreTrainedTokenizerBase, merges: int) -> PreTrainedTokenizerBase:
+    """The same byte-level BPE with only its first `merges` merges: vocabulary 256 + K + eos.
+
+    GPT-2's vocabulary is the 256 byte symbols followed by one token per merge, in merge order,
+    so dropping later merges leaves a valid tokenizer that still encodes every text (falling
+    back to shorter pieces, ultimately bytes) and decodes it exactly. The choice depends on the
+    tokenizer alone — no data is looked at — so it leaks nothing about any private set. Used for
+    CPU-scale models, whose cost is dominated by the vocabulary.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        spec_file = Path(tmp) / "tokenizer.json"
+        spec = json.loads(spec_file.read_text(encoding="utf-8"))
+        model = spec["model"]
+        if model.get("type") != "BPE" or not 0 < merges <= len(model["merges"]):
+            raise DataError(f"cannot keep {merges} BPE merges of a {model.get('type')} tokenizer with {len(model.get('merges', []))}")
+        kept = {token: i for token, i in model["vocab"].items() if i < 256 + merges}
+        if len(kept) != 256 + merges:
+            raise DataError("tokenizer vocabulary is not laid out as 256 bytes + one token per merge (not GPT-2 BPE?)")
+        eos_id = 256 + merges
+        kept[tokenizer.eos_token] = eos_id
+        model["vocab"], model["merges"] = kept, model["merges"][:merges]
+        spec["added_tokens"] = [dict(t, id=eos_id) for t in spec["added_tokens"] if t["content"] == tokenizer.eos_token]
+        spec_file.write_text(json.dumps(spec), encoding="utf-8")
+        return AutoTokenizer.from_pretrained(tmp)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dpmuon.eval.curves import write_curves
 from dpmuon.eval.runs import Run, RunFormatError, find_runs
+from dpmuon.eval.snr import write_snr_plot
 from dpmuon.eval.sweeps import write_sweep_plots
 from dpmuon.eval.tables import write_tables
 
@@ -48,6 +49,17 @@ def sweep_plots_main(argv: Sequence[str] | None = None) -> int:
         "per optimizer (and clipping mode where it varies), mean over seeds with a min–max band.",
         write=write_sweep_plots,
         what="sweep plots",
+    )
+
+
+def snr_plot_main(argv: Sequence[str] | None = None) -> int:
+    return _main(
+        argv,
+        prog="make_snr_plot.py",
+        description="Plot the public SNR estimate of DP-Muon's momentum buffers (median over matrices) "
+        "against step from every run's metrics.jsonl into <out>/<dataset>/snr.png and snr.csv.",
+        write=write_snr_plot,
+        what="SNR figures",
     )
 
 

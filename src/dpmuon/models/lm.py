@@ -34,9 +34,10 @@ def per_example_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Ten
         position_ids=position_ids_for(attention_mask),
     ).logits
     labels = batch["labels"][:, 1:]
+    # Flattened (rather than [B, V, T]) cross-entropy avoids a transposed copy of the logits.
     token_nll = F.cross_entropy(
-        logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none"
-    )
+        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(labels.shape)
     counts = (labels != IGNORE_INDEX).sum(1)
     return token_nll.sum(1) / counts.clamp_min(1)
 

@@ -21,6 +21,15 @@ def per_example_block_norms(partition: BlockPartition, squared_norms: Mapping[st
     return torch.stack(columns, dim=1).clamp_min(0).sqrt()
 
 
+def mark_nonfinite_losses(block_norms: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+    """Block norms with the rows of examples whose *loss* is NaN/inf set to NaN.
+
+    Such an example can still have a finite gradient (e.g. a NaN added to the loss), but it is
+    broken all the same: with NaN norms, `clip_factors` drops it and `ClipStats` counts it.
+    """
+    return block_norms.masked_fill(~torch.isfinite(losses).unsqueeze(1), float("nan"))
+
+
 def clip_factors(block_norms: torch.Tensor, thresholds: Sequence[float]) -> torch.Tensor:
     """[B, K] factors min(1, C_W/‖g_i,W‖) so that ‖c·g_i,W‖ ≤ C_W.
 

@@ -18,16 +18,20 @@ class RunData:
 
 def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None]) -> RunData:
     name, fmt, root = dataset["name"], dataset.get("format"), data.get("root")
+    exclude = tuple(dataset.get("exclude_origins") or ())
 
-    train_raw = _first(load_examples(name, "train", root, fmt), data.get("max_train_examples"))
+    def load(split: str):
+        return load_examples(name, split, root, fmt, exclude_origins=exclude)
+
+    train_raw = _first(load("train"), data.get("max_train_examples"))
     train, dropped = encode_for_training(train_raw, tokenizer, int(dataset["max_length"]))
     log(f"{name} train: {len(train):,} examples ({dropped:,} dropped as longer than {dataset['max_length']} tokens)")
 
-    valid_raw = _first(load_examples(name, "valid", root, fmt), data.get("max_valid_examples"))
+    valid_raw = _first(load("valid"), data.get("max_valid_examples"))
     valid, dropped = encode_for_training(valid_raw, tokenizer, context_length)
     log(f"{name} valid: {len(valid):,} examples for validation NLL ({dropped} beyond the context length)")
 
-    test_items = _first(group_references(load_examples(name, "test", root, fmt)), data.get("max_test_sources"))
+    test_items = _first(group_references(load("test")), data.get("max_test_sources"))
     pairs = [Example(item.source, ref) for item in test_items for ref in item.references]
     test, dropped = encode_for_training(pairs, tokenizer, context_length)
     log(f"{name} test: {len(test_items):,} sources, {len(test):,} reference pairs ({dropped} beyond the context length)")

@@ -39,7 +39,7 @@ def token_nll(
                 position_ids=position_ids_for(batch["attention_mask"]),
             ).logits
         labels = batch["labels"][:, 1:]
-        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         total += float(nll)
         count += int((labels != IGNORE_INDEX).sum())
     model.train(was_training)

@@ -108,6 +108,7 @@ class StopRequest:
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Train, evaluate and write the run's artifacts; returns the summary (None on ranks > 0)."""
+    version, command = code_version(), command_line()  # of the code that starts the run
     if cfg.trainer.num_threads:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     torch.manual_seed(int(cfg.seed))
@@ -124,7 +125,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
     # ---- data and model -------------------------------------------------------------------
     # Data first: input errors surface before any model is built or downloaded.
-    tokenizer = load_tokenizer(cfg.model.tokenizer)
+    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.get("bpe_merges"))
     data = prepare_data(cfg.dataset, cfg.data, tokenizer, context_length(cfg.model), log)
     model = build_model(cfg.model, tokenizer, seed=int(cfg.seed)).to(device)
     pad_id = tokenizer.pad_token_id
@@ -289,14 +290,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
                 row["snr"] = snr
                 row["snr_median"] = statistics.median(snr.values())
             if diagnostics:
-                row.update(
-                    train_loss=stats.train_loss,
-                    lot_size=stats.lot_size,
-                    mean_grad_norm=stats.mean_grad_norm,
-                    nonfinite_examples=stats.nonfinite,
-                    step_seconds=elapsed,
-                )
+                row.update(train_loss=stats.train_loss, lot_size=stats.lot_size, step_seconds=elapsed)
                 if private:
+                    row.update(mean_grad_norm=stats.mean_grad_norm, nonfinite_examples=stats.nonfinite)
                     fractions = stats.clip_fraction()
                     if fractions:
                         row["clip_fraction"] = sum(fractions) / len(fractions)
@@ -320,12 +316,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         return None
 
     # ---- evaluation ------------------------------------------------------------------------
-    log("evaluating on the test set")
-    test_nll = token_nll(model, data.test, pad_id, int(cfg.eval.batch_size) * 4, device, autocast, progress, "test nll")
-    sources = [item.source for item in data.test_items]
-    generations = decode(model, tokenizer, sources, cfg.eval, device, autocast, progress)
-    atomic_write(run_dir / "generations.txt", lambda f: f.write("".join(g.replace("\n", " ") + "\n" for g in generations).encode()))
-    scores = score(generations, [item.references for item in data.test_items])
+    if cfg.eval.test:
+        log("evaluating on the test set")
+        test_nll = token_nll(model, data.test, pad_id, int(cfg.eval.batch_size) * 4, device, autocast, progress, "test nll")
+        generations = decode(model, tokenizer, [item.source for item in data.test_items], cfg.eval, device, autocast, progress)
+        atomic_write(run_dir / "generations.txt", lambda f: f.write("".join(g.replace("\n", " ") + "\n" for g in generations).encode()))
+        scores = score(generations, [item.references for item in data.test_items])
+    else:  # e.g. learning-rate tuning on the validation split: the test set stays unseen
+        test_nll, scores = None, dict.fromkeys(("bleu", "bleu_single_ref", "rouge_l", "metric_implementations"))
+    if cfg.trainer.save_model:
+        model.save_pretrained(run_dir / "model")
+        tokenizer.save_pretrained(run_dir / "model")
 
     summary = {
         "dataset": cfg.dataset.name,
@@ -356,10 +357,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         "bleu_single_ref": scores["bleu_single_ref"],
         "rouge_l": scores["rouge_l"],
         "metric_implementations": scores["metric_implementations"],
-        "test_sources": len(data.test_items),
+        "test_sources": len(data.test_items) if cfg.eval.test else 0,
         "train_seconds": train_seconds,
-        "git_commit": code_version(),
-        "command": command_line(),
+        "git_commit": version,
+        "command": command,
         "run_dir": str(run_dir),
     }
     atomic_write_json(run_dir / "summary.json", summary)
@@ -369,7 +370,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     logger.finish()
     if not cfg.trainer.keep_checkpoint:
         ckpt_path.unlink(missing_ok=True)
-    log(f"done: test NLL {test_nll:.4f}, BLEU {scores['bleu']:.2f}, ROUGE-L {scores['rouge_l']:.2f}" + (f", ε {summary['epsilon']:.4f}" if private else "") + f" → {run_dir}")
+    shown = {k: summary[k] for k in ("test_nll", "val_nll", "bleu", "rouge_l", "epsilon") if summary[k] is not None}
+    log("done: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) + f" → {run_dir}")
     return summary
 
 

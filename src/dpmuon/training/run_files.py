@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -105,4 +106,5 @@ def code_version() -> str:
 
 
 def command_line() -> str:
-    return " ".join([Path(sys.executable).name, "-m", "dpmuon.train", *sys.argv[1:]])
+    """The command that started this process, as typed (interpreter, script or -m module, args)."""
+    return shlex.join([Path(sys.orig_argv[0]).name, *sys.orig_argv[1:]])

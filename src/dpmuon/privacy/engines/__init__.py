@@ -1,6 +1,6 @@
 """Per-example gradient engines (registry: `privacy.engine`)."""
 
 from .base import ENGINES, PerExampleEngine, PerExampleLoss, build_engine, register_engine
-from . import opacus_engine  # noqa: F401  (registers "opacus")
+from . import fast, opacus_engine  # noqa: F401  (register "fast" and "opacus")
 
 __all__ = ["ENGINES", "PerExampleEngine", "PerExampleLoss", "build_engine", "register_engine"]

@@ -12,7 +12,7 @@ import torch
 from opacus import GradSampleModule
 
 from . import conv1d  # noqa: F401  (registers the Conv1D grad sampler)
-from ..clipping import ClipStats, clip_factors, per_example_block_norms
+from ..clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
 from .base import PerExampleEngine, register_engine
 
 
@@ -48,7 +48,7 @@ class OpacusEngine(PerExampleEngine):
     def clipped_sum(self, batch, loss_fn):
         grads, losses = self.per_example_gradients(batch, loss_fn)
         squared = {n: g.flatten(1).pow(2).sum(1) for n, g in grads.items()}
-        norms = per_example_block_norms(self.partition, squared)
+        norms = mark_nonfinite_losses(per_example_block_norms(self.partition, squared), losses)
         factors = clip_factors(norms, self.thresholds)
         summed = {}
         for name, g in grads.items():

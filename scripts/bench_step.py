@@ -1,0 +1,346 @@
+"""Training-step throughput and peak memory: non-private vs the Opacus and fast engines.
+
+Every configuration runs full steps — the privatizer's release over the lot, split into
+micro-batches, then the optimizer step — for {non-private, opacus, fast} × {flat, per_matrix}
+× {dp_adam, dp_muon, dp_muonbc}. A private configuration is compared with its non-private twin
+(DP-Adam with Adam, DP-Muon and DP-MuonBC with Muon) measured in the same run.
+
+Throughput: all configurations live in one process and take turns, one round per repeat (in a
+rotated order), so a busy neighbour or thermal drift hits them alike; medians are reported
+(a ratio to non-private is the median of the per-round ratios).
+Peak memory: each configuration runs once more in a fresh subprocess, because a process's peak
+RSS only grows and allocators keep freed memory: CUDA → torch.cuda.max_memory_allocated; CPU →
+peak RSS of that process above its footprint before the model was built (labelled as RSS).
+
+    python scripts/bench_step.py --threads 1                       # tiny model, CPU (~5 min, 2 cores)
+    python scripts/bench_step.py --model gpt2-small --device cuda --lot 256 --micro-batch 32 --seq-len 128
+    DPMUON_DATA_DIR=… DPMUON_TOKENIZER=… python scripts/bench_step.py --data e2e --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
+from dpmuon.optim import OptimizerInputs, build_optimizer
+from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
+from dpmuon.privacy.engines import fast  # noqa: F401  (registers privacy.engine=fast)
+
+VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
+MODELS = {
+    "tiny": dict(n_layer=4, n_embd=128, n_head=4, n_positions=256),
+    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
+}
+ADAM = {"lr": 2e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+OPTIMIZERS = {
+    "dp_adam": ("adam", ADAM),
+    "dp_muon": ("muon", {"lr": 2e-3, "momentum": 0.95, "adam": ADAM}),
+    "dp_muonbc": ("muonbc", {"lr": 2e-3, "momentum": 0.95, "adam": ADAM, "bias_correction": {"probe_scale": 1.0, "num_probes": 1}}),
+}
+NON_PRIVATE = {"adam": ("adam", ADAM), "muon": ("muon", OPTIMIZERS["dp_muon"][1])}
+NON_PRIVATE_TWIN = {"dp_adam": "adam", "dp_muon": "muon", "dp_muonbc": "muon"}
+NOISE_MULTIPLIER = 1.0  # noise is drawn as in a real run; its size does not change the cost
+CLIP_NORM = 0.1
+
+
+@dataclass(frozen=True)
+class Config:
+    engine: str  # "non-private" | "opacus" | "fast"
+    clip_mode: str  # "flat" | "per_matrix" ("-" for non-private)
+    optimizer: str  # dp_adam | dp_muon | dp_muonbc, or the non-private adam | muon
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine}/{self.clip_mode}/{self.optimizer}"
+
+    @property
+    def private(self) -> bool:
+        return self.engine != "non-private"
+
+    @property
+    def twin(self) -> "Config":
+        return Config("non-private", "-", NON_PRIVATE_TWIN[self.optimizer]) if self.private else self
+
+    @classmethod
+    def parse(cls, label: str) -> "Config":
+        return cls(*label.split("/"))
+
+
+def configurations(engines: list[str], clip_modes: list[str], optimizers: list[str]) -> list[Config]:
+    private = [Config(e, c, o) for e in engines for c in clip_modes for o in optimizers]
+    twins = sorted({c.twin for c in private}, key=lambda c: c.optimizer)
+    return twins + private
+
+
+# -- lots -------------------------------------------------------------------------------------
+
+
+def synthetic_lot(size: int, seq_len: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Random sequences shaped like table-to-text lots: lengths in [T/2, T], right padding, a
+    prompt (about half of each sequence) without loss."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(size):
+        length = int(torch.randint(seq_len // 2, seq_len + 1, (1,), generator=g))
+        ids = torch.randint(0, VOCAB - 1, (length,), generator=g)
+        labels = ids.clone()
+        labels[: length // 2] = IGNORE_INDEX
+        examples.append((ids.tolist(), labels.tolist()))
+    return examples
+
+
+def e2e_lot(size: int, seed: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+    from dpmuon.data import encode_for_training, load_examples, load_tokenizer
+
+    tokenizer = load_tokenizer()
+    encoded, _ = encode_for_training(load_examples("e2e", "train"), tokenizer, max_length=100)
+    picks = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed))[:size]
+    return [(encoded[i].input_ids, encoded[i].labels) for i in picks.tolist()], tokenizer.pad_token_id
+
+
+def micro_batches(examples: list[tuple[list[int], list[int]]], micro_batch: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Right-padded micro-batches, each as wide as its longest sequence (as the trainer pads)."""
+    batches = []
+    for start in range(0, len(examples), micro_batch):
+        chunk = examples[start : start + micro_batch]
+        width = max(len(ids) for ids, _ in chunk)
+        batch = {
+            "input_ids": torch.full((len(chunk), width), pad_id),
+            "attention_mask": torch.zeros(len(chunk), width, dtype=torch.long),
+            "labels": torch.full((len(chunk), width), IGNORE_INDEX),
+        }
+        for row, (ids, labels) in enumerate(chunk):
+            batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
+            batch["attention_mask"][row, : len(ids)] = 1
+            batch["labels"][row, : len(labels)] = torch.tensor(labels)
+        batches.append(batch)
+    return batches
+
+
+# -- one configuration ------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Runner:
+    """A model, its release (privatizer or non-private) and its optimizer, ready to step."""
+
+    def __init__(self, config: Config, model_name: str, lot_size: int, device: torch.device):
+        self.device = device
+        self.model = build_random_gpt2(VOCAB, **MODELS[model_name], seed=0).to(device).train()
+        matrices = hidden_matrices(self.model)
+        if config.private:
+            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            partition = build_partition(names, clip_mode=config.clip_mode, clip_norm=CLIP_NORM, matrix_names=matrices)
+            self.release = Privatizer(
+                self.model, partition, noise_multiplier=NOISE_MULTIPLIER, expected_lot_size=lot_size,
+                sample_rate=0.01, accountant=PrivacyAccountant(1e-5), engine=config.engine,
+            )
+            kind, cfg = OPTIMIZERS[config.optimizer]
+        else:
+            self.release = NonPrivateRelease(self.model)
+            kind, cfg = NON_PRIVATE[config.optimizer]
+        self.optimizer = build_optimizer(
+            kind,
+            OptimizerInputs(
+                params=dict(self.model.named_parameters()), hidden_matrices=matrices,
+                release_noise_std=self.release.release_noise_std(), generator=torch.Generator(device=device).manual_seed(0),
+            ),
+            cfg,
+        )
+
+    def step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """One training step; (release seconds, optimizer seconds)."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        self.release.release(batches, per_example_lm_loss)
+        synchronize(self.device)
+        released = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        synchronize(self.device)
+        return released - start, time.perf_counter() - released
+
+
+def measure_throughput(configs: list[Config], args, batches, device) -> dict[Config, dict[str, list[float]]]:
+    runners = {c: Runner(c, args.model, args.lot, device) for c in configs}
+    times = {c: {"release_s": [], "optimizer_s": []} for c in configs}
+    for runner in runners.values():
+        runner.step(batches)  # warm-up: optimizer state, allocator, kernel selection
+    for repeat in range(args.repeats):
+        shift = repeat % len(configs)
+        for config in configs[shift:] + configs[:shift]:
+            release_s, optimizer_s = runners[config].step(batches)
+            times[config]["release_s"].append(release_s)
+            times[config]["optimizer_s"].append(optimizer_s)
+        print(f"  repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    return times
+
+
+# -- peak memory (in a fresh process per configuration) -----------------------------------------
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_memory_mib(config: Config, args, batches, device) -> float:
+    """Peak memory of building the configuration and running two steps (the first also
+    allocates the optimizer state), in this process."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        baseline = _rss_kib("VmRSS")
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+        except OSError:
+            pass  # without the reset, VmHWM includes the imports' transient peak: an overestimate
+    runner = Runner(config, args.model, args.lot, device)
+    for _ in range(2):
+        runner.step(batches)
+    if cuda:
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return (_rss_kib("VmHWM") - baseline) / 1024
+
+
+def peak_memory_in_subprocess(config: Config, args, lot_path: Path) -> float:
+    command = [
+        sys.executable, __file__, "--memory-probe", config.label, "--lot-file", str(lot_path),
+        "--model", args.model, "--lot", str(args.lot), "--device", args.device, "--threads", str(args.threads),
+    ]
+    # A fixed mmap threshold makes glibc return every freed block ≥ 1 MiB to the OS, so the
+    # peak RSS tracks the peak of live tensors instead of what the allocator kept cached.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"memory probe of {config.label} failed:\n{done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def summarize(configs, times, peaks, lot: int) -> list[dict[str, Any]]:
+    rows = {}
+    for config in configs:
+        release_s = statistics.median(times[config]["release_s"])
+        optimizer_s = statistics.median(times[config]["optimizer_s"])
+        rows[config] = {
+            "config": config.label, **asdict(config),
+            "examples_per_s": lot / (release_s + optimizer_s),
+            "release_s": release_s, "optimizer_s": optimizer_s,
+            "optimizer_share": optimizer_s / (release_s + optimizer_s),
+            "peak_mib": peaks.get(config),
+        }
+    for config, row in rows.items():
+        twin = rows[config.twin]
+        # Median of the per-round ratios: a configuration and its twin share each round, so a
+        # neighbour's load spike shifts both sides of a ratio alike.
+        row["throughput_vs_non_private"] = statistics.median(
+            (t_release + t_optimizer) / (c_release + c_optimizer)
+            for t_release, t_optimizer, c_release, c_optimizer in zip(
+                times[config.twin]["release_s"], times[config.twin]["optimizer_s"],
+                times[config]["release_s"], times[config]["optimizer_s"],
+            )
+        )
+        row["memory_vs_non_private"] = None if row["peak_mib"] is None else row["peak_mib"] / twin["peak_mib"]
+    return list(rows.values())
+
+
+def print_table(rows: list[dict[str, Any]], memory_label: str) -> None:
+    header = f"{'configuration':34} {'ex/s':>8} {'× np':>6} {'release s':>10} {'optim s':>8} {'optim %':>8} {memory_label:>14} {'× np':>6}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        peak = "-" if row["peak_mib"] is None else f"{row['peak_mib']:.0f}"
+        ratio = "-" if row["memory_vs_non_private"] is None else f"{row['memory_vs_non_private']:.2f}"
+        print(
+            f"{row['config']:34} {row['examples_per_s']:8.2f} {row['throughput_vs_non_private']:6.2f} "
+            f"{row['release_s']:10.3f} {row['optimizer_s']:8.3f} {100 * row['optimizer_share']:7.1f}% {peak:>14} {ratio:>6}"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--lot", type=int, default=16, help="examples per step")
+    parser.add_argument("--micro-batch", type=int, default=8, help="examples per physical micro-batch")
+    parser.add_argument("--seq-len", type=int, default=64, help="longest synthetic sequence (tokens)")
+    parser.add_argument("--data", choices=["synthetic", "e2e"], default="synthetic")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
+    parser.add_argument("--engines", nargs="+", default=["opacus", "fast"])
+    parser.add_argument("--clip-modes", nargs="+", default=["flat", "per_matrix"])
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--memory", choices=["subprocess", "none"], default="subprocess")
+    parser.add_argument("--memory-jobs", type=int, default=2, help="memory probes run at once")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the rows and settings here")
+    parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one configuration's peak
+    parser.add_argument("--lot-file", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.memory_probe:
+        print(peak_memory_mib(Config.parse(args.memory_probe), args, torch.load(args.lot_file), device))
+        return
+    if args.data == "e2e":
+        examples, pad_id = e2e_lot(args.lot, args.seed)
+    else:
+        examples, pad_id = synthetic_lot(args.lot, args.seq_len, args.seed), VOCAB - 1
+    batches = micro_batches(examples, args.micro_batch, pad_id)
+    configs = configurations(args.engines, args.clip_modes, args.optimizers)
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    print(
+        f"model {args.model}, {args.data} lot {args.lot} in micro-batches of {args.micro_batch} "
+        f"({tokens / args.lot:.1f} tokens/example), device {device}, {torch.get_num_threads()} threads, "
+        f"{args.repeats} repeats, {len(configs)} configurations",
+        file=sys.stderr, flush=True,
+    )
+    times = measure_throughput(configs, args, [{k: v.to(device) for k, v in b.items()} for b in batches], device)
+    peaks: dict[Config, float] = {}
+    if args.memory == "subprocess":
+        with tempfile.TemporaryDirectory() as tmp:
+            lot_path = Path(tmp) / "lot.pt"
+            torch.save([{k: v.to(device) for k, v in b.items()} for b in batches], lot_path)
+            # Probes run side by side (each in its own process, so their peaks stay apart).
+            with ThreadPoolExecutor(max_workers=args.memory_jobs) as pool:
+                found = pool.map(lambda config: peak_memory_in_subprocess(config, args, lot_path), configs)
+                peaks = dict(zip(configs, found))
+    rows = summarize(configs, times, peaks, args.lot)
+    memory_label = "peak MiB" if device.type == "cuda" else "peak RSS MiB"
+    print_table(rows, memory_label)
+    if args.json:
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("memory_probe", "lot_file")}
+        meta = {"settings": settings, "threads": torch.get_num_threads(), "memory": memory_label, "torch": torch.__version__}
+        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,202 @@
+"""The committed CPU-scale reproduction (results/<dataset>/): tune, train, publish, report.
+
+    python scripts/reproduce_cpu.py --dataset e2e              # everything (resumable)
+    python scripts/reproduce_cpu.py --dataset dart --jobs 2    # two runs at a time, 1 thread each
+    python scripts/reproduce_cpu.py --dataset e2e --dry-run    # list the runs
+
+Stages (each skips what is already done, and resumes killed runs):
+1. public model: models/public-for-<dataset> (scripts/pretrain_public.py) must exist;
+2. tuning: every DP optimizer at each learning rate of its grid (same number of trials each),
+   one seed, half the training horizon, scored by validation NLL — the test set is not used;
+3. finals: each DP optimizer at its selected rate, and non-private Adam, for every seed;
+4. publish: each finished run's summary.json, metrics.jsonl, resolved config and generations
+   are copied to results/<dataset>/{tuning,runs}/<run>/ (no checkpoints);
+5. report: tables and curves by the project's scripts, the momentum-SNR figure, tuning.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DP_OPTIMIZERS = ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
+# Three rates per optimizer: one tuning budget for all. DP-SGD's rates are larger because its
+# update is the raw released gradient (norm ≲ C = 0.1), not a normalized one.
+LR_GRID = {
+    "dp_sgd": (3.0, 10.0, 30.0),
+    "dp_adam": (3e-4, 1e-3, 3e-3),
+    "dp_muon": (3e-4, 1e-3, 3e-3),
+    "dp_muonbc": (3e-4, 1e-3, 3e-3),
+}
+NON_PRIVATE = ("adam", 1e-3)
+PUBLISHED_FILES = {"summary.json": "summary.json", "metrics.jsonl": "metrics.jsonl", ".hydra/config.yaml": "config.yaml", "generations.txt": "generations.txt"}
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    stage: str  # "tuning" | "runs"
+    overrides: tuple[str, ...]
+
+
+def lr_overrides(optimizer: str, lr: float) -> list[str]:
+    """One knob per optimizer: for DP-Muon(BC) the Adam part (non-matrix tensors) shares it."""
+    out = [f"optimizer={optimizer}", f"optimizer.lr={lr:g}"]
+    if "muon" in optimizer:
+        out.append(f"optimizer.adam.lr={lr:g}")
+    return out
+
+
+def tuning_jobs(dataset: str, steps: int) -> list[Job]:
+    return [
+        Job(f"{opt}_lr{lr:g}", "tuning", (f"experiment=cpu_{dataset}", *lr_overrides(opt, lr), f"trainer.steps={steps}", "eval.test=false", "seed=0"))
+        for opt in DP_OPTIMIZERS
+        for lr in LR_GRID[opt]
+    ]
+
+
+def select_learning_rates(summaries: list[dict]) -> dict[str, float]:
+    """Per optimizer, the rate with the lowest final validation NLL (ties: the smaller rate).
+
+    A diverged trial (no finite validation NLL) never wins; an optimizer with no usable trial
+    is an error, not a silent default.
+    """
+    best: dict[str, tuple[float, float]] = {}
+    for s in summaries:
+        nll = s.get("val_nll")
+        if nll is None or not math.isfinite(nll):
+            continue
+        lr = float(s["learning_rate"])
+        key = (nll, lr)
+        if s["optimizer"] not in best or key < best[s["optimizer"]]:
+            best[s["optimizer"]] = key
+    missing = [opt for opt in DP_OPTIMIZERS if opt not in best]
+    if missing:
+        raise SystemExit(f"no usable tuning run for {missing}; check results/*/tuning")
+    return {opt: lr for opt, (_, lr) in best.items()}
+
+
+def final_jobs(dataset: str, rates: dict[str, float], seeds: list[int]) -> list[Job]:
+    jobs = [
+        Job(f"{opt}_seed{seed}", "runs", (f"experiment=cpu_{dataset}", *lr_overrides(opt, rates[opt]), f"seed={seed}"))
+        for opt in DP_OPTIMIZERS
+        for seed in seeds
+    ]
+    name, lr = NON_PRIVATE
+    jobs += [Job(f"{name}_seed{seed}", "runs", (f"experiment=cpu_{dataset}", *lr_overrides(name, lr), f"seed={seed}")) for seed in seeds]
+    return jobs
+
+
+def run_job(job: Job, work: Path, threads: int) -> Path:
+    """Run (or resume, or skip) one job; its working directory lives under `work`."""
+    run_dir = work / job.stage / job.name
+    if (run_dir / "summary.json").exists():
+        return run_dir
+    if (run_dir / ".hydra" / "config.yaml").exists():
+        cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume"]
+    else:
+        cmd = [sys.executable, "-m", "dpmuon.train", *job.overrides, f"hydra.run.dir={run_dir}", f"trainer.num_threads={threads}", "logging.progress=false"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(work / job.stage / f"{job.name}.log", "a") as log:
+        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"{job.name} failed (exit {done.returncode}); see {work / job.stage / (job.name + '.log')}")
+    print(f"  {job.stage}/{job.name}: {time.time() - start:.0f} s", flush=True)
+    return run_dir
+
+
+def publish(run_dir: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for source, target in PUBLISHED_FILES.items():
+        if (run_dir / source).exists():
+            shutil.copyfile(run_dir / source, dest / target)
+
+
+def run_all(jobs: list[Job], work: Path, results: Path, parallel: int) -> list[dict]:
+    threads = 1 if parallel > 1 else 2
+    with ThreadPoolExecutor(parallel) as pool:
+        run_dirs = list(pool.map(lambda job: run_job(job, work, threads), jobs))
+    summaries = []
+    for job, run_dir in zip(jobs, run_dirs):
+        publish(run_dir, results / job.stage / job.name)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        config = (run_dir / ".hydra" / "config.yaml").read_text()
+        summary["learning_rate"] = _config_lr(config)
+        summaries.append(summary)
+    return summaries
+
+
+def _config_lr(config_yaml: str) -> float:
+    from omegaconf import OmegaConf
+
+    return float(OmegaConf.create(config_yaml).optimizer.lr)
+
+
+def write_tuning_table(summaries: list[dict], rates: dict[str, float], path: Path, steps: int) -> None:
+    lines = [
+        f"# Learning-rate tuning ({steps} steps, seed 0, validation NLL on {summaries[0]['dataset']}'s validation split)",
+        "",
+        "Every DP optimizer gets the same budget: one run per rate of its grid. The selected rate "
+        "(lowest final validation NLL) is used for the final runs. The test set is not touched.",
+        "",
+        "| optimizer | learning rate | final validation NLL | ε spent | selected |",
+        "|---|---|---|---|---|",
+    ]
+    for s in sorted(summaries, key=lambda s: (DP_OPTIMIZERS.index(s["optimizer"]), s["learning_rate"])):
+        nll = "diverged" if s.get("val_nll") is None else f"{s['val_nll']:.4f}"
+        chosen = "✓" if rates[s["optimizer"]] == s["learning_rate"] else ""
+        lines.append(f"| {s['optimizer']} | {s['learning_rate']:g} | {nll} | {s['epsilon']:.3f} | {chosen} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=("e2e", "dart"), required=True)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--tune-steps", type=int, default=50, help="tuning horizon (finals: the experiment's trainer.steps)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each then uses one thread)")
+    parser.add_argument("--work", type=Path, default=REPO / "outputs" / "cpu_repro", help="working run directories (checkpoints live here)")
+    parser.add_argument("--results", type=Path, default=REPO / "results")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+
+    work, results = args.work / args.dataset, args.results / args.dataset
+    tuning = tuning_jobs(args.dataset, args.tune_steps)
+    if args.dry_run:
+        for job in tuning + final_jobs(args.dataset, {o: LR_GRID[o][1] for o in DP_OPTIMIZERS}, list(range(args.seeds))):
+            print(job.stage, job.name, " ".join(job.overrides))
+        return 0
+    if not (REPO / "models" / f"public-for-{args.dataset}").exists():
+        raise SystemExit(f"models/public-for-{args.dataset} is missing: run python scripts/pretrain_public.py --private {args.dataset}")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+
+    print(f"[{args.dataset}] tuning: {len(tuning)} runs", flush=True)
+    tuned = run_all(tuning, work, results, args.jobs)
+    rates = select_learning_rates(tuned)
+    write_tuning_table(tuned, rates, results / "tuning.md", args.tune_steps)
+    print(f"[{args.dataset}] selected rates: {rates}", flush=True)
+
+    finals = final_jobs(args.dataset, rates, list(range(args.seeds)))
+    print(f"[{args.dataset}] final runs: {len(finals)}", flush=True)
+    run_all(finals, work, results, args.jobs)
+
+    scripts = REPO / "scripts"
+    for script in ("make_tables.py", "make_curves.py"):
+        subprocess.run([sys.executable, str(scripts / script), str(results / "runs"), "--out", str(args.results)], check=True)
+    subprocess.run([sys.executable, str(scripts / "make_snr_plot.py"), str(results / "runs"), "--out", str(args.results)], check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""The fast engine (ghost / direct norms + book-keeping sums) against the Opacus reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import VOCAB, tiny_gpt2, token_batch
+from dpmuon.models import hidden_matrices, per_example_lm_loss, position_ids_for
+from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition, clip_factors, per_example_block_norms
+from dpmuon.privacy.engines.fast import FastEngine, prefers_ghost
+
+ATOL, RTOL = 1e-6, 1e-4
+# Thresholds that clip (almost) every block of every example, and ones that never bind.
+SMALL_C, LARGE_C = 1e-3, 1e6
+PARTITIONS = {
+    "per_matrix-split-per_tensor": {"clip_mode": "per_matrix", "threshold_rule": "split", "other_blocks": "per_tensor"},
+    "per_matrix-scalar-group": {"clip_mode": "per_matrix", "threshold_rule": "scalar", "other_blocks": "group"},
+    "flat": {"clip_mode": "flat"},
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny tensors gain nothing from threads, and on a shared 2-core box a busy neighbour makes
+    OpenMP's spinning threads tens of times slower; restored afterwards for other test modules."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def partition_for(model: nn.Module, clip_norm: float, **options):
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return build_partition(names, clip_norm=clip_norm, matrix_names=hidden_matrices(model), **options)
+
+
+def opacus_reference(model, partition, batch, loss_fn=per_example_lm_loss):
+    """(per-parameter squared norms, clipped sums, stats) from materialized per-example gradients."""
+    engine = build_engine("opacus", model, partition)
+    try:
+        grads, _ = engine.per_example_gradients(batch, loss_fn)
+        squared = {n: g.flatten(1).pow(2).sum(1) for n, g in grads.items()}
+        summed, _, stats = engine.clipped_sum(batch, loss_fn)
+    finally:
+        engine.close()
+    return squared, summed, stats
+
+
+def naive_reference(model, partition, batch, loss_fn):
+    """(per-parameter squared norms, clipped sums) from one autograd pass per example."""
+    names = partition.param_names
+    params = dict(model.named_parameters())
+    per_example = []
+    for i in range(batch["input_ids"].shape[0]):
+        single = {k: v[i : i + 1] for k, v in batch.items()}
+        grads = torch.autograd.grad(loss_fn(model, single).sum(), [params[n] for n in names])
+        per_example.append(dict(zip(names, grads)))
+    squared = {n: torch.stack([g[n].pow(2).sum() for g in per_example]) for n in names}
+    factors = clip_factors(per_example_block_norms(partition, squared), partition.thresholds)
+    block_of = partition.block_index()
+    summed = {n: sum(f[block_of[n]] * g[n] for f, g in zip(factors, per_example)) for n in names}
+    return squared, summed
+
+
+def assert_close_dicts(got: dict, expected: dict, atol: float = ATOL, rtol: float = RTOL):
+    """allclose per tensor, with atol also scaled down to the tensor's size: heavily clipped
+    sums are ~1e-5 per entry, where a bare atol of 1e-6 would hide 10% errors."""
+    assert set(got) == set(expected)
+    for name in expected:
+        assert got[name].dtype == torch.float32, name
+        assert got[name].shape == expected[name].shape, name
+        scale = float(expected[name].abs().max()) if expected[name].numel() else 0.0
+        tolerance = min(atol, 1e-5 * scale) if scale > 0 else atol
+        assert torch.allclose(got[name], expected[name], atol=tolerance, rtol=rtol), name
+
+
+@pytest.mark.parametrize("clip_norm", [SMALL_C, LARGE_C], ids=["clipping", "no-clipping"])
+@pytest.mark.parametrize("options", list(PARTITIONS.values()), ids=list(PARTITIONS))
+@pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "untied-head"])
+@pytest.mark.parametrize("left_pad", [False, True], ids=["right-pad", "left-pad"])
+def test_fast_matches_opacus(tie, left_pad, options, clip_norm):
+    model = tiny_gpt2(tie=tie)
+    partition = partition_for(model, clip_norm, **options)
+    batch = token_batch(5, left_pad=left_pad, seed=7)
+    ref_squared, ref_summed, ref_stats = opacus_reference(model, partition, batch)
+
+    engine = FastEngine(model, partition)
+    squared, _ = engine.per_example_squared_norms(batch, per_example_lm_loss)
+    summed, losses, stats = engine.clipped_sum(batch, per_example_lm_loss)
+
+    assert_close_dicts(squared, ref_squared, atol=1e-10)
+    norms, ref_norms = per_example_block_norms(partition, squared), per_example_block_norms(partition, ref_squared)
+    assert torch.allclose(norms, ref_norms, atol=ATOL, rtol=RTOL)
+    assert_close_dicts(summed, ref_summed)
+    assert torch.equal(stats.clipped, ref_stats.clipped) and stats.nonfinite == 0 and stats.examples == 5
+    assert stats.norm_sum == pytest.approx(ref_stats.norm_sum, rel=RTOL)
+    assert losses.shape == (5,) and not losses.requires_grad
+    clipped_fraction = stats.clipped.float().mean() / 5
+    assert clipped_fraction > 0.9 if clip_norm == SMALL_C else clipped_fraction == 0
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "untied-head"])
+def test_ghost_and_direct_norms_agree(tie):
+    model = tiny_gpt2(tie=tie)
+    partition = partition_for(model, 0.05)
+    batch = token_batch(4, seed=2)
+    results = {}
+    for rule in ("ghost", "direct"):
+        engine = FastEngine(model, partition, weight_norms=rule)
+        squared, _ = engine.per_example_squared_norms(batch, per_example_lm_loss)
+        summed, _, _ = engine.clipped_sum(batch, per_example_lm_loss)
+        results[rule] = squared, summed
+    ref_squared, ref_summed, _ = opacus_reference(model, partition, batch)
+    for squared, summed in results.values():
+        assert_close_dicts(squared, ref_squared, atol=1e-10)
+        assert_close_dicts(summed, ref_summed)
+
+
+def test_mixed_rule_picks_the_cheaper_form():
+    # ghost ~ T²(d_in + d_out), direct ~ T·d_in·d_out
+    assert prefers_ghost("mixed", positions=64, d_in=128, d_out=50258)  # LM head, short sequences
+    assert not prefers_ghost("mixed", positions=1024, d_in=32, d_out=32)  # long sequences, small layer
+    assert prefers_ghost("ghost", positions=1024, d_in=32, d_out=32)
+    assert not prefers_ghost("direct", positions=4, d_in=4096, d_out=4096)
+    with pytest.raises(ValueError, match="weight norm rule"):
+        FastEngine(tiny_gpt2(), partition_for(tiny_gpt2(), 1.0), weight_norms="fastest")
+
+
+def nan_for_example(index: int, gradient: bool):
+    """A loss function whose example `index` has a NaN loss: its gradients are NaN everywhere
+    (`gradient`), or finite (NaN added to the loss, whose derivative is still 1)."""
+
+    def loss_fn(model, batch):
+        losses = per_example_lm_loss(model, batch)
+        poison = torch.full_like(losses, 1.0 if gradient else 0.0)
+        poison[index] = float("nan")
+        return losses * poison if gradient else losses + poison
+
+    return loss_fn
+
+
+def without_example(batch: dict, index: int) -> dict:
+    return {k: torch.cat([v[:index], v[index + 1 :]]) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("gradient", [True, False], ids=["nan-gradient", "nan-loss-only"])
+@pytest.mark.parametrize("rule", ["ghost", "direct"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "untied-head"])
+def test_nonfinite_example_contributes_nothing(tie, rule, gradient):
+    model = tiny_gpt2(tie=tie)
+    partition = partition_for(model, 0.05)
+    batch = token_batch(5, seed=5)
+    engine = FastEngine(model, partition, weight_norms=rule)
+    summed, losses, stats = engine.clipped_sum(batch, nan_for_example(2, gradient))
+    expected, _, clean_stats = engine.clipped_sum(without_example(batch, 2), per_example_lm_loss)
+    assert stats.nonfinite == 1 and stats.examples == 5
+    assert torch.isnan(losses[2]) and torch.isfinite(losses[[0, 1, 3, 4]]).all()
+    assert torch.equal(stats.clipped, clean_stats.clipped)
+    for name in expected:
+        assert torch.isfinite(summed[name]).all(), name
+        assert torch.allclose(summed[name], expected[name], atol=ATOL, rtol=RTOL), name
+
+
+def test_nonfinite_activation_contributes_nothing():
+    """NaN inside the network (not only in the loss): the example's activations are NaN too."""
+    model = tiny_gpt2(tie=True)
+    partition = partition_for(model, 0.05)
+    batch = token_batch(4, seed=6)
+
+    def poison_example_1(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden[1, 3] = float("inf")
+        return output
+
+    engine = FastEngine(model, partition)
+    expected, _, _ = engine.clipped_sum(without_example(batch, 1), per_example_lm_loss)
+    handle = model.transformer.h[0].register_forward_hook(poison_example_1)
+    try:
+        summed, _, stats = engine.clipped_sum(batch, per_example_lm_loss)
+    finally:
+        handle.remove()
+    assert stats.nonfinite == 1
+    assert_close_dicts(summed, expected)
+
+
+def test_no_gradient_left_on_parameters():
+    model = tiny_gpt2(tie=True)
+    engine = FastEngine(model, partition_for(model, 0.1))
+    engine.clipped_sum(token_batch(3), per_example_lm_loss)
+    engine.per_example_squared_norms(token_batch(3), per_example_lm_loss)
+    assert all(p.grad is None for p in model.parameters())
+    # The hooks are removed after every call: a plain forward records nothing.
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_privatizer_release_equals_opacus_without_noise():
+    lots = [token_batch(6, seed=s) for s in range(2)]
+    released = {}
+    for engine in ("opacus", "fast"):
+        model = tiny_gpt2(tie=True)
+        privatizer = Privatizer(
+            model, partition_for(model, 0.05), noise_multiplier=0.0, expected_lot_size=6, sample_rate=1.0,
+            accountant=PrivacyAccountant(1e-5), engine=engine,
+        )
+        for lot in lots:
+            halves = [{k: v[:2] for k, v in lot.items()}, {k: v[2:] for k, v in lot.items()}]
+            stats = privatizer.release(halves, per_example_lm_loss)
+        released[engine] = ({n: p.grad.clone() for n, p in privatizer.params.items()}, stats)
+        privatizer.close()
+    (fast, fast_stats), (reference, ref_stats) = released["fast"], released["opacus"]
+    assert_close_dicts(fast, reference, atol=1e-7)
+    assert torch.equal(fast_stats.clipped, ref_stats.clipped)
+    assert fast_stats.train_loss == pytest.approx(ref_stats.train_loss)
+
+
+def test_module_called_twice_sums_both_calls():
+    """GPT-2 looks token_type_ids up in the token embedding: a second call of wte."""
+    model = tiny_gpt2(tie=True)
+    partition = partition_for(model, 0.05)
+    batch = token_batch(4, seed=8)
+    batch["token_type_ids"] = torch.randint(0, VOCAB, batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_with_token_types(model, batch):
+        mask = batch["attention_mask"]
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_for(mask), token_type_ids=batch["token_type_ids"]
+        ).logits
+        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none")
+        return nll.sum(1)
+
+    ref_squared, ref_summed, _ = opacus_reference(model, partition, batch, loss_with_token_types)
+    engine = FastEngine(model, partition)
+    squared, _ = engine.per_example_squared_norms(batch, loss_with_token_types)
+    summed, _, _ = engine.clipped_sum(batch, loss_with_token_types)
+    assert_close_dicts(squared, ref_squared, atol=1e-10)
+    assert_close_dicts(summed, ref_summed)
+
+
+class LinearNet(nn.Module):
+    """nn.Linear layers with biases (GPT-2 has none), an embedding with a padding row, LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 16, padding_idx=0)
+        self.hidden = nn.Linear(16, 24)
+        self.norm = nn.LayerNorm(24)
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, ids):
+        return self.out(self.norm(torch.tanh(self.hidden(self.embed(ids)))))
+
+
+def linear_net_loss(model, batch):
+    return model(batch["input_ids"]).square().mean((1, 2))
+
+
+@pytest.mark.parametrize("rule", ["ghost", "direct"])
+def test_linear_layers_with_bias_and_padding_row(rule):
+    model = LinearNet()
+    names = [n for n, _ in model.named_parameters()]
+    partition = build_partition(names, clip_norm=0.01, matrix_names=["hidden.weight", "out.weight"])
+    batch = {"input_ids": torch.randint(0, 4, (6, 7), generator=torch.Generator().manual_seed(0))}  # many padding ids
+    # Opacus' embedding sampler ignores padding_idx (it scatters into the padding row, which
+    # autograd leaves at zero), so the reference here is a loop over examples.
+    ref_squared, ref_summed = naive_reference(model, partition, batch, linear_net_loss)
+    engine = FastEngine(model, partition, weight_norms=rule)
+    squared, _ = engine.per_example_squared_norms(batch, linear_net_loss)
+    summed, _, _ = engine.clipped_sum(batch, linear_net_loss)
+    assert_close_dicts(squared, ref_squared, atol=1e-10)
+    assert_close_dicts(summed, ref_summed)
+    assert summed["embed.weight"][0].abs().sum() == 0  # the padding row gets no gradient
+
+
+def test_bf16_autocast_gives_fp32_results_close_to_fp32():
+    model = tiny_gpt2(tie=True)
+    partition = partition_for(model, 1e6)
+    batch = token_batch(3, seed=9)
+
+    def autocast_loss(model, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return per_example_lm_loss(model, batch)
+
+    engine = FastEngine(model, partition)
+    exact, _, _ = engine.clipped_sum(batch, per_example_lm_loss)
+    mixed, _, _ = engine.clipped_sum(batch, autocast_loss)
+    for name, value in mixed.items():
+        assert value.dtype == torch.float32
+        scale = exact[name].norm()
+        assert (value - exact[name]).norm() <= 0.05 * scale + 1e-8, name
+
+
+def test_norms_and_sums_stay_fp32_inside_an_autocast_region():
+    """A caller may run the whole release under autocast: the engine's own products must not
+    drop to bf16 (here the forward itself is kept in fp32, so results must match exactly)."""
+    model = tiny_gpt2(tie=True)
+    partition = partition_for(model, 0.05)
+    batch = token_batch(3, seed=11)
+
+    def fp32_loss(model, batch):
+        with torch.autocast("cpu", enabled=False):
+            return per_example_lm_loss(model, batch)
+
+    engine = FastEngine(model, partition)
+    expected, _, _ = engine.clipped_sum(batch, per_example_lm_loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _, _ = engine.clipped_sum(batch, fp32_loss)
+    assert_close_dicts(got, expected)
+
+
+class Gain(nn.Module):
+    def __init__(self, size: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(size))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def test_unsupported_trainable_module_is_refused():
+    model = nn.Sequential(nn.Embedding(VOCAB, 8), Gain(8), nn.Linear(8, 3))
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(ValueError, match=r"'1\.gain'.*Gain"):
+        FastEngine(model, build_partition(names, clip_mode="flat"))
+    model[1].gain.requires_grad_(False)  # frozen, it is no concern of the privatizer
+    FastEngine(model, build_partition([n for n, p in model.named_parameters() if p.requires_grad], clip_mode="flat"))
+
+
+def test_unsupported_sharing_and_embedding_options_are_refused():
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    model = nn.Sequential(first, second)
+    with pytest.raises(ValueError, match="shared by modules of types Linear, Linear"):
+        FastEngine(model, build_partition([n for n, _ in model.named_parameters()], clip_mode="flat"))
+    model = nn.Sequential(nn.Embedding(VOCAB, 4, scale_grad_by_freq=True))
+    with pytest.raises(ValueError, match="scale_grad_by_freq"):
+        FastEngine(model, build_partition(["0.weight"], clip_mode="flat"))
+
+
+def test_parameters_outside_the_partition_are_refused():
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="outside the block partition"):
+        FastEngine(model, build_partition(["transformer.wpe.weight"], clip_mode="flat"))
+
+
+def test_unbatched_position_ids_are_reported():
+    model = tiny_gpt2()
+    engine = FastEngine(model, partition_for(model, 1.0))
+
+    def shared_positions(model, batch):
+        logits = model(input_ids=batch["input_ids"]).logits  # GPT-2 builds position ids of shape [1, T]
+        return logits.float().square().mean((1, 2))
+
+    with pytest.raises(ValueError, match="batch-shaped position_ids"):
+        engine.clipped_sum(token_batch(3), shared_positions)
+
+
+def test_clip_factors_of_fast_norms_bound_every_block():
+    """End to end: each example's clipped block contribution has norm ≤ C_W."""
+    model = tiny_gpt2(tie=True)
+    partition = partition_for(model, 0.02)
+    batch = token_batch(3, seed=10)
+    engine = FastEngine(model, partition)
+    single = []
+    for i in range(3):
+        summed, _, _ = engine.clipped_sum({k: v[i : i + 1] for k, v in batch.items()}, per_example_lm_loss)
+        single.append(summed)
+    for block in partition.blocks:
+        for summed in single:
+            norm = torch.sqrt(sum(summed[n].pow(2).sum() for n in block.params))
+            assert norm <= block.threshold * (1 + 1e-5)
