@@ -37,7 +37,6 @@ import torch
 from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
-from dpmuon.privacy.engines import fast  # noqa: F401  (registers privacy.engine=fast)
 
 VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
 MODELS = {

@@ -33,7 +33,6 @@ from torch import nn
 
 from .accountant import PrivacyAccountant, calibrate_noise_multiplier
 from .blocks import build_partition
-from .engines import fast  # noqa: F401  (registers privacy.engine=fast)
 from .noise import GaussianNoise
 from .privatizer import Privatizer
 from .sampling import PoissonLotSampler

@@ -159,6 +159,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     matrices = hidden_matrices(model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if private:
+        sizes = {n: p.numel() for n, p in named.items()}
         partition = build_partition(
             named,
             clip_mode=cfg.privacy.clip_mode,
@@ -166,9 +167,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
             threshold_rule=cfg.privacy.threshold_rule,
             other_blocks=cfg.privacy.other_blocks,
             matrix_names=matrices,
-            sizes={n: p.numel() for n, p in named.items()},
+            sizes=sizes,
         )
-        log(f"clipping: {cfg.privacy.clip_mode}, {partition_summary(partition, {n: p.numel() for n, p in named.items()})}")
+        log(f"clipping: {cfg.privacy.clip_mode}, {partition_summary(partition, sizes)}")
         accountant = PrivacyAccountant(plan.delta, plan.accountant)
         release = Privatizer(
             model,

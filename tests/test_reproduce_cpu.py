@@ -1,0 +1,50 @@
+"""The CPU reproduction's planning: equal tuning budgets, selection by validation NLL only."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reproduce_cpu.py"
+spec = importlib.util.spec_from_file_location("reproduce_cpu", SCRIPT)
+reproduce = importlib.util.module_from_spec(spec)
+sys.modules["reproduce_cpu"] = reproduce  # dataclasses resolve their module by name
+spec.loader.exec_module(reproduce)
+
+
+def test_every_dp_optimizer_gets_the_same_tuning_budget():
+    jobs = reproduce.tuning_jobs("e2e", steps=50)
+    per_optimizer = {opt: [j for j in jobs if f"optimizer={opt}" in j.overrides] for opt in reproduce.DP_OPTIMIZERS}
+    assert {len(v) for v in per_optimizer.values()} == {3}
+    for job in jobs:
+        assert "eval.test=false" in job.overrides and "trainer.steps=50" in job.overrides  # the test set stays unseen
+    # DP-Muon(BC) tune one knob: the Adam part of the model follows the Muon rate.
+    muon = next(j for j in jobs if "optimizer=dp_muonbc" in j.overrides)
+    lr = next(o for o in muon.overrides if o.startswith("optimizer.lr=")).split("=")[1]
+    assert f"optimizer.adam.lr={lr}" in muon.overrides
+
+
+def test_selection_takes_the_lowest_validation_nll_and_skips_diverged_runs():
+    summaries = [
+        {"optimizer": opt, "learning_rate": lr, "val_nll": nll}
+        for opt in reproduce.DP_OPTIMIZERS
+        for lr, nll in ((1e-3, 2.0), (3e-3, 1.5), (1e-2, None))
+    ]
+    summaries[0]["val_nll"] = float("nan")
+    assert reproduce.select_learning_rates(summaries) == dict.fromkeys(reproduce.DP_OPTIMIZERS, 3e-3)
+
+
+def test_an_optimizer_without_a_usable_trial_is_an_error():
+    summaries = [{"optimizer": "dp_sgd", "learning_rate": 1.0, "val_nll": None}]
+    with pytest.raises(SystemExit, match="no usable tuning run"):
+        reproduce.select_learning_rates(summaries)
+
+
+def test_finals_cover_every_optimizer_and_seed_plus_the_non_private_reference():
+    jobs = reproduce.final_jobs("dart", dict.fromkeys(reproduce.DP_OPTIMIZERS, 1e-3), seeds=[0, 1, 2])
+    assert len(jobs) == 3 * (len(reproduce.DP_OPTIMIZERS) + 1)
+    assert all("experiment=cpu_dart" in j.overrides for j in jobs)
+    assert {j.name for j in jobs if "optimizer=adam" in j.overrides} == {"adam_seed0", "adam_seed1", "adam_seed2"}
