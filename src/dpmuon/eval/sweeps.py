@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from matplotlib.ticker import NullFormatter
 
 from dpmuon.eval.curves import OPTIMIZER_COLORS, new_figure, optimizer_color, save_figure
 from dpmuon.eval.grouping import runs_by_dataset
@@ -68,12 +69,16 @@ def write_sweep_plots(runs: Sequence[Run], out_dir: Path) -> list[Path]:
                 for line_no, line in enumerate(sweep_lines(dataset_runs, x_key, metric)):
                     color = optimizer_color(line.optimizer)
                     style = ("-", "--", ":", "-.")[line_no % 4] if line.label != line.optimizer else "-"
-                    axes.plot(line.x, line.mean, marker="o", color=color, linestyle=style, label=f"{line.label} (n≤{line.seeds.max()})")
+                    seeds = f"n={line.seeds.max()}" if line.seeds.min() == line.seeds.max() else f"n={line.seeds.min()}–{line.seeds.max()}"
+                    axes.plot(line.x, line.mean, marker="o", color=color, linestyle=style, label=f"{line.label} ({seeds})")
                     axes.fill_between(line.x, line.low, line.high, color=color, alpha=0.15, linewidth=0)
                 for ref in references:
                     if ref.summary.get(metric) is not None:
                         axes.axhline(ref.summary[metric], color=optimizer_color(ref.optimizer), linestyle=":", linewidth=1, label=f"{ref.optimizer} (non-private)")
                 axes.set_xscale("log")
+                xs = sorted({float(r.summary[x_key]) for r in dataset_runs if r.is_private and r.summary.get(x_key) is not None})
+                axes.set_xticks(xs, [f"{x:g}" for x in xs])
+                axes.xaxis.set_minor_formatter(NullFormatter())
                 axes.set_xlabel(x_label)
                 axes.set_title(title)
                 axes.grid(alpha=0.3, which="both")
