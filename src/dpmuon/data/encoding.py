@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from dpmuon.data.records import Example
-
-IGNORE_INDEX = -100  # the label value PyTorch's cross-entropy skips
+from dpmuon.models.lm import IGNORE_INDEX  # the label the loss skips
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # PyTorch cross-entropy's default ignore_index: labels the loss skips
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,37 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
+def build_release(cfg: DictConfig, model, named: dict, matrices: dict, plan, noise_generator, parallel: DataParallel):
+    """The mechanism of the plan: (partition, accountant, privatizer), or the non-private release."""
+    if not plan.private:
+        return None, None, NonPrivateRelease(model, parallel)
+    sizes = {n: p.numel() for n, p in named.items()}
+    partition = build_partition(
+        named,
+        clip_mode=cfg.privacy.clip_mode,
+        clip_norm=float(cfg.privacy.clip_norm),
+        threshold_rule=cfg.privacy.threshold_rule,
+        other_blocks=cfg.privacy.other_blocks,
+        matrix_names=matrices,
+        sizes=sizes,
+    )
+    log(f"clipping: {cfg.privacy.clip_mode}, {partition_summary(partition, sizes)}")
+    accountant = PrivacyAccountant(plan.delta, plan.accountant)
+    privatizer = Privatizer(
+        model,
+        partition,
+        noise_multiplier=plan.noise_multiplier,
+        expected_lot_size=plan.expected_lot_size,
+        sample_rate=plan.sample_rate,
+        accountant=accountant,
+        noise=GaussianNoise(noise_generator, secure=bool(cfg.privacy.secure_noise)),
+        noise_allocation=cfg.privacy.noise_allocation,
+        engine=cfg.privacy.engine,
+        parallel=parallel,
+    )
+    return partition, accountant, privatizer
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """Train, evaluate and write the run's artifacts; returns the summary (None on ranks > 0)."""
     version, command = code_version(), command_line()  # of the code that starts the run
@@ -158,33 +189,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     }
     matrices = hidden_matrices(model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if private:
-        sizes = {n: p.numel() for n, p in named.items()}
-        partition = build_partition(
-            named,
-            clip_mode=cfg.privacy.clip_mode,
-            clip_norm=float(cfg.privacy.clip_norm),
-            threshold_rule=cfg.privacy.threshold_rule,
-            other_blocks=cfg.privacy.other_blocks,
-            matrix_names=matrices,
-            sizes=sizes,
-        )
-        log(f"clipping: {cfg.privacy.clip_mode}, {partition_summary(partition, sizes)}")
-        accountant = PrivacyAccountant(plan.delta, plan.accountant)
-        release = Privatizer(
-            model,
-            partition,
-            noise_multiplier=plan.noise_multiplier,
-            expected_lot_size=plan.expected_lot_size,
-            sample_rate=plan.sample_rate,
-            accountant=accountant,
-            noise=GaussianNoise(generators["noise"], secure=bool(cfg.privacy.secure_noise)),
-            noise_allocation=cfg.privacy.noise_allocation,
-            engine=cfg.privacy.engine,
-            parallel=parallel,
-        )
-    else:
-        partition, accountant, release = None, None, NonPrivateRelease(model, parallel)
+    partition, accountant, release = build_release(cfg, model, named, matrices, plan, generators["noise"], parallel)
     noise_std = release.release_noise_std()
     optimizer = build_optimizer(
         cfg.optimizer.kind,
