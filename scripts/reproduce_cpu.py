@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=("e2e", "dart"), required=True)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--tune-steps", type=int, default=50, help="tuning horizon (finals: the experiment's trainer.steps)")
+    parser.add_argument("--tune-steps", type=int, default=40, help="tuning horizon (finals: the experiment's trainer.steps)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each then uses one thread)")
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "cpu_repro", help="working run directories (checkpoints live here)")
     parser.add_argument("--results", type=Path, default=REPO / "results")

@@ -16,11 +16,11 @@ spec.loader.exec_module(reproduce)
 
 
 def test_every_dp_optimizer_gets_the_same_tuning_budget():
-    jobs = reproduce.tuning_jobs("e2e", steps=50)
+    jobs = reproduce.tuning_jobs("e2e", steps=40)
     per_optimizer = {opt: [j for j in jobs if f"optimizer={opt}" in j.overrides] for opt in reproduce.DP_OPTIMIZERS}
     assert {len(v) for v in per_optimizer.values()} == {3}
     for job in jobs:
-        assert "eval.test=false" in job.overrides and "trainer.steps=50" in job.overrides  # the test set stays unseen
+        assert "eval.test=false" in job.overrides and "trainer.steps=40" in job.overrides  # the test set stays unseen
     # DP-Muon(BC) tune one knob: the Adam part of the model follows the Muon rate.
     muon = next(j for j in jobs if "optimizer=dp_muonbc" in j.overrides)
     lr = next(o for o in muon.overrides if o.startswith("optimizer.lr=")).split("=")[1]
