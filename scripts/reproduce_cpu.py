@@ -10,7 +10,8 @@ Stages (each skips what is already done, and resumes killed runs):
    one seed, half the training horizon, scored by validation NLL — the test set is not used;
 3. finals: each DP optimizer at its selected rate, and non-private Adam, for every seed;
 4. publish: each finished run's summary.json, metrics.jsonl, resolved config and generations
-   are copied to results/<dataset>/{tuning,runs}/<run>/ (no checkpoints);
+   are copied to results/<dataset>/{tuning,runs}/<run>/ (no checkpoints), and the public
+   pretraining run's to results/<dataset>/public_pretraining/;
 5. report: tables and curves by the project's scripts, the momentum-SNR figure, tuning.md.
 """
 
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (REPO / "models" / f"public-for-{args.dataset}").exists():
         raise SystemExit(f"models/public-for-{args.dataset} is missing: run python scripts/pretrain_public.py --private {args.dataset}")
     os.environ.setdefault("WANDB_MODE", "disabled")
+    public_run = REPO / "outputs" / f"public_for_{args.dataset}" / "seed0"
+    if (public_run / "summary.json").exists():  # provenance of the public model
+        publish(public_run, results / "public_pretraining")
 
     print(f"[{args.dataset}] tuning: {len(tuning)} runs", flush=True)
     tuned = run_all(tuning, work, results, args.jobs)

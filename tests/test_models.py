@@ -1,0 +1,48 @@
+"""Model construction: random init, a local pretrained directory (the hub path offline), untying."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import VOCAB, tiny_gpt2
+from dpmuon.models import build_model, context_length, hidden_matrices, lm_head_is_tied, untie_lm_head
+
+
+class StubTokenizer:
+    """What build_model reads from a tokenizer: its length and special ids."""
+
+    def __init__(self, size: int):
+        self.size, self.eos_token_id, self.pad_token_id = size, size - 2, size - 1
+
+    def __len__(self):
+        return self.size
+
+
+def test_local_directory_loads_like_a_hub_id_and_grows_for_the_pad_token(tmp_path):
+    saved = tiny_gpt2(tie=True)
+    saved.save_pretrained(tmp_path)
+    cfg = {"name_or_path": str(tmp_path), "untie_head": False}
+    model = build_model(cfg, StubTokenizer(VOCAB + 1))
+    assert model.get_input_embeddings().num_embeddings == VOCAB + 1  # pad row added
+    assert torch.equal(model.get_input_embeddings().weight[:VOCAB], saved.get_input_embeddings().weight)
+    assert lm_head_is_tied(model) and model.config.pad_token_id == VOCAB
+    assert context_length(cfg) == 32
+
+
+def test_random_init_is_seeded_and_can_be_untied():
+    cfg = {"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 24, "untie_head": True}
+    a, b = build_model(cfg, StubTokenizer(50), seed=3), build_model(cfg, StubTokenizer(50), seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not lm_head_is_tied(a)
+    assert torch.equal(a.get_output_embeddings().weight, a.get_input_embeddings().weight)  # a copy, not a share
+    assert context_length(cfg) == 24
+
+
+def test_untying_gives_the_head_its_own_parameter_and_block():
+    model = tiny_gpt2(tie=True)
+    names_before = {n for n, _ in model.named_parameters()}
+    untie_lm_head(model)
+    names_after = {n for n, _ in model.named_parameters()}
+    assert names_after - names_before == {"lm_head.weight"}
+    assert "lm_head.weight" not in hidden_matrices(model)  # the head is not a Muon matrix
+    assert set(hidden_matrices(model)) == {f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
