@@ -31,13 +31,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DP_OPTIMIZERS = ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
-# Four rates per optimizer, half a decade apart: one tuning budget for all. DP-SGD's rates are
+# Five rates per optimizer, half a decade apart: one tuning budget for all. DP-SGD's rates are
 # larger because its update is the raw released gradient (norm ≲ C = 0.1), not a normalized one.
+# (A 3-point grid, then a 4-point one, peaked at their upper edge for the adaptive methods.)
 LR_GRID = {
-    "dp_sgd": (3.0, 10.0, 30.0, 100.0),
-    "dp_adam": (3e-4, 1e-3, 3e-3, 1e-2),
-    "dp_muon": (3e-4, 1e-3, 3e-3, 1e-2),
-    "dp_muonbc": (3e-4, 1e-3, 3e-3, 1e-2),
+    "dp_sgd": (3.0, 10.0, 30.0, 100.0, 300.0),
+    "dp_adam": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
+    "dp_muon": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
+    "dp_muonbc": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
 }
 NON_PRIVATE = ("adam", 1e-3)
 PUBLISHED_FILES = {"summary.json": "summary.json", "metrics.jsonl": "metrics.jsonl", ".hydra/config.yaml": "config.yaml", "generations.txt": "generations.txt"}

@@ -18,7 +18,7 @@ spec.loader.exec_module(reproduce)
 def test_every_dp_optimizer_gets_the_same_tuning_budget():
     jobs = reproduce.tuning_jobs("e2e", steps=40)
     per_optimizer = {opt: [j for j in jobs if f"optimizer={opt}" in j.overrides] for opt in reproduce.DP_OPTIMIZERS}
-    assert {len(v) for v in per_optimizer.values()} == {4}
+    assert {len(v) for v in per_optimizer.values()} == {5}
     for job in jobs:
         assert "eval.test=false" in job.overrides and "trainer.steps=40" in job.overrides  # the test set stays unseen
     # DP-Muon(BC) tune one knob: the Adam part of the model follows the Muon rate.
