@@ -12,7 +12,8 @@ Stages (each skips what is already done, and resumes killed runs):
 4. publish: each finished run's summary.json, metrics.jsonl, resolved config and generations
    are copied to results/<dataset>/{tuning,runs}/<run>/ (no checkpoints), and the public
    pretraining run's to results/<dataset>/public_pretraining/;
-5. report: tables and curves by the project's scripts, the momentum-SNR figure, tuning.md.
+5. report: tables, curves, the momentum-SNR figure and the paired comparison, all by the
+   project's scripts, and tuning.md.
 """
 
 from __future__ import annotations
@@ -196,10 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[{args.dataset}] final runs: {len(finals)}", flush=True)
     run_all(finals, work, results, args.jobs)
 
-    scripts = REPO / "scripts"
-    for script in ("make_tables.py", "make_curves.py"):
-        subprocess.run([sys.executable, str(scripts / script), str(results / "runs"), "--out", str(args.results)], check=True)
-    subprocess.run([sys.executable, str(scripts / "make_snr_plot.py"), str(results / "runs"), "--out", str(args.results)], check=True)
+    for script in ("make_tables.py", "make_curves.py", "make_snr_plot.py", "compare_optimizers.py"):
+        subprocess.run([sys.executable, str(REPO / "scripts" / script), str(results / "runs"), "--out", str(args.results)], check=True)
     return 0
 
 

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from dpmuon.eval.compare import write_comparisons
 from dpmuon.eval.curves import write_curves
 from dpmuon.eval.runs import Run, RunFormatError, find_runs
 from dpmuon.eval.snr import write_snr_plot
@@ -60,6 +61,17 @@ def snr_plot_main(argv: Sequence[str] | None = None) -> int:
         "against step from every run's metrics.jsonl into <out>/<dataset>/snr.png and snr.csv.",
         write=write_snr_plot,
         what="SNR figures",
+    )
+
+
+def compare_main(argv: Sequence[str] | None = None) -> int:
+    return _main(
+        argv,
+        prog="compare_optimizers.py",
+        description="Paired (same-seed) differences between every two optimizer groups in test NLL, "
+        "BLEU and ROUGE-L, from every run's summary.json, into <out>/<dataset>/comparison.md.",
+        write=write_comparisons,
+        what="comparisons",
     )
 
 
