@@ -62,7 +62,9 @@ def decode(
     if cfg["decoding"] not in ("beam", "greedy"):
         raise ValueError(f"unknown decoding {cfg['decoding']!r}; valid: beam, greedy")
     num_beams = int(cfg["num_beams"]) if cfg["decoding"] == "beam" else 1
-    prompts = [encode_prompt(tokenizer, s) for s in sources]
+    max_new = int(cfg["max_new_tokens"])
+    context = model.config.n_positions
+    prompts = [fit_prompt(encode_prompt(tokenizer, s), context, max_new) for s in sources]
     # Similar lengths batched together: less padding; results are put back in input order.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[str] = [""] * len(prompts)
@@ -76,7 +78,8 @@ def decode(
                 do_sample=False,
                 num_beams=num_beams,
                 early_stopping=num_beams > 1,
-                max_new_tokens=int(cfg["max_new_tokens"]),
+                # Positions are finite: a long prompt leaves room for fewer new tokens.
+                max_new_tokens=min(max_new, context - batch["input_ids"].shape[1]),
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
             )
@@ -87,3 +90,16 @@ def decode(
             outputs[i] = tokenizer.decode(row, skip_special_tokens=True).strip()
     model.train(was_training)
     return outputs
+
+
+MIN_NEW_TOKENS = 16
+
+
+def fit_prompt(prompt: list[int], context: int, max_new_tokens: int) -> list[int]:
+    """The prompt, left-truncated if needed so that at least min(16, max_new_tokens) tokens fit.
+
+    Only small models (few positions) ever truncate: GPT-2's 1024 positions hold every E2E and
+    DART prompt. The source's end and the separator eos are kept.
+    """
+    room = context - min(MIN_NEW_TOKENS, max_new_tokens)
+    return prompt if len(prompt) <= room else prompt[len(prompt) - room :]
