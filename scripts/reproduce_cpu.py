@@ -90,14 +90,13 @@ def select_learning_rates(summaries: list[dict]) -> dict[str, float]:
 
 
 def final_jobs(dataset: str, rates: dict[str, float], seeds: list[int]) -> list[Job]:
-    jobs = [
-        Job(f"{opt}_seed{seed}", "runs", (f"experiment=cpu_{dataset}", *lr_overrides(opt, rates[opt]), f"seed={seed}"))
-        for opt in DP_OPTIMIZERS
+    """Seed-major order: whenever the runs are cut short, the finished seeds compare every optimizer."""
+    settings = [(opt, rates[opt]) for opt in DP_OPTIMIZERS] + [NON_PRIVATE]
+    return [
+        Job(f"{opt}_seed{seed}", "runs", (f"experiment=cpu_{dataset}", *lr_overrides(opt, lr), f"seed={seed}"))
         for seed in seeds
+        for opt, lr in settings
     ]
-    name, lr = NON_PRIVATE
-    jobs += [Job(f"{name}_seed{seed}", "runs", (f"experiment=cpu_{dataset}", *lr_overrides(name, lr), f"seed={seed}")) for seed in seeds]
-    return jobs
 
 
 def run_job(job: Job, work: Path, threads: int) -> Path:

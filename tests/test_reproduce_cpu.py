@@ -48,3 +48,5 @@ def test_finals_cover_every_optimizer_and_seed_plus_the_non_private_reference():
     assert len(jobs) == 3 * (len(reproduce.DP_OPTIMIZERS) + 1)
     assert all("experiment=cpu_dart" in j.overrides for j in jobs)
     assert {j.name for j in jobs if "optimizer=adam" in j.overrides} == {"adam_seed0", "adam_seed1", "adam_seed2"}
+    # seed-major: the first five jobs are one complete seed of every optimizer
+    assert [j.name for j in jobs[:5]] == [f"{opt}_seed0" for opt in (*reproduce.DP_OPTIMIZERS, "adam")]
