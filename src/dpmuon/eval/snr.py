@@ -37,7 +37,7 @@ def write_snr_plot(runs: Sequence[Run], out_dir: Path) -> list[Path]:
         axes.set_ylabel("median over matrices of SNR(M)")
         axes.grid(alpha=0.3, which="both")
         axes.legend(fontsize="small")
-        figure.suptitle(f"{dataset}: momentum-buffer SNR from released quantities ({BAND_NOTE})", fontsize="medium")
+        figure.suptitle(f"{dataset}: momentum-buffer SNR from released quantities\n({BAND_NOTE})", fontsize="medium")
         written.append(save_figure(figure, folder / "snr.png"))
         written.append(_write_csv(curves, folder / "snr.csv"))
     return written
