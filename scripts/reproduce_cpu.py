@@ -4,7 +4,8 @@
     python scripts/reproduce_cpu.py --dataset dart --jobs 2    # two runs at a time, 1 thread each
     python scripts/reproduce_cpu.py --dataset e2e --dry-run    # list the runs
 
-Stages (each skips what is already done, and resumes killed runs):
+Stages (each skips what is already done — a run whose working directory or published copy
+under results/ has a summary.json — and resumes killed runs):
 1. public model: models/public-for-<dataset> (scripts/pretrain_public.py) must exist;
 2. tuning: every DP optimizer at each learning rate of its grid (same number of trials each),
    one seed, half the training horizon, scored by validation NLL — the test set is not used;
@@ -99,11 +100,18 @@ def final_jobs(dataset: str, rates: dict[str, float], seeds: list[int]) -> list[
     ]
 
 
-def run_job(job: Job, work: Path, threads: int) -> Path:
-    """Run (or resume, or skip) one job; its working directory lives under `work`."""
+def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
+    """Run (or resume, or skip) one job; its working directory lives under `work`.
+
+    A run already published under `results` is not run again, even when its working directory
+    is gone (the committed record is the result; re-running would replace it with another draw).
+    """
     run_dir = work / job.stage / job.name
     if (run_dir / "summary.json").exists():
         return run_dir
+    published = results / job.stage / job.name
+    if (published / "summary.json").exists():
+        return published
     if (run_dir / ".hydra" / "config.yaml").exists():
         cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume"]
     else:
@@ -128,15 +136,54 @@ def publish(run_dir: Path, dest: Path) -> None:
 def run_all(jobs: list[Job], work: Path, results: Path, parallel: int) -> list[dict]:
     threads = 1 if parallel > 1 else 2
     with ThreadPoolExecutor(parallel) as pool:
-        run_dirs = list(pool.map(lambda job: run_job(job, work, threads), jobs))
+        run_dirs = list(pool.map(lambda job: run_job(job, work, results, threads), jobs))
     summaries = []
     for job, run_dir in zip(jobs, run_dirs):
-        publish(run_dir, results / job.stage / job.name)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        config = (run_dir / ".hydra" / "config.yaml").read_text()
+        published = results / job.stage / job.name
+        if run_dir != published:
+            publish(run_dir, published)
+        summary = json.loads((published / "summary.json").read_text())
+        config = (published / "config.yaml").read_text()
         summary["learning_rate"] = _config_lr(config)
         summaries.append(summary)
     return summaries
+
+
+def public_record(results: Path, public_run: Path, fingerprint: str) -> Path:
+    """Where the public pretraining run that built the current public model is published.
+
+    `public_pretraining/` holds the first build. A rebuild (e.g. on another machine, where
+    floating-point differences make the same command produce slightly different weights) is
+    another model, so it goes beside it as `public_pretraining-<fingerprint>/` rather than
+    over the record of the model that earlier runs started from.
+    """
+    first = results / "public_pretraining"
+    if not (first / "summary.json").exists():
+        return first
+    recorded = first / "weights_sha256.txt"
+    if recorded.exists():
+        same = recorded.read_text().strip() == fingerprint
+    else:  # a record from before fingerprints: compare the training trajectories
+        same = _losses(first / "metrics.jsonl") == _losses(public_run / "metrics.jsonl")
+    return first if same else results / f"public_pretraining-{fingerprint[:12]}"
+
+
+def _losses(metrics: Path) -> list:
+    return [json.loads(line).get("train_loss") for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def publish_public_model(dataset: str, results: Path) -> None:
+    """Publish the provenance of models/public-for-<dataset>: its run files and weights fingerprint."""
+    from dpmuon.models import load_pretrained, weights_fingerprint
+
+    public_run = REPO / "outputs" / f"public_for_{dataset}" / "seed0"
+    if not (public_run / "summary.json").exists():
+        return
+    fingerprint = weights_fingerprint(load_pretrained(str(REPO / "models" / f"public-for-{dataset}")))
+    record = public_record(results, public_run, fingerprint)
+    publish(public_run, record)
+    (record / "weights_sha256.txt").write_text(fingerprint + "\n")
+    print(f"[{dataset}] public model {fingerprint[:12]}: provenance in {record}", flush=True)
 
 
 def _config_lr(config_yaml: str) -> float:
@@ -182,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (REPO / "models" / f"public-for-{args.dataset}").exists():
         raise SystemExit(f"models/public-for-{args.dataset} is missing: run python scripts/pretrain_public.py --private {args.dataset}")
     os.environ.setdefault("WANDB_MODE", "disabled")
-    public_run = REPO / "outputs" / f"public_for_{args.dataset}" / "seed0"
-    if (public_run / "summary.json").exists():  # provenance of the public model
-        publish(public_run, results / "public_pretraining")
+    publish_public_model(args.dataset, results)
 
     print(f"[{args.dataset}] tuning: {len(tuning)} runs", flush=True)
     tuned = run_all(tuning, work, results, args.jobs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conftest import VOCAB, tiny_gpt2
-from dpmuon.models import build_model, context_length, hidden_matrices, lm_head_is_tied, untie_lm_head
+from dpmuon.models import build_model, context_length, hidden_matrices, lm_head_is_tied, untie_lm_head, weights_fingerprint
 
 
 class StubTokenizer:
@@ -46,3 +46,13 @@ def test_untying_gives_the_head_its_own_parameter_and_block():
     assert names_after - names_before == {"lm_head.weight"}
     assert "lm_head.weight" not in hidden_matrices(model)  # the head is not a Muon matrix
     assert set(hidden_matrices(model)) == {f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+
+
+def test_weights_fingerprint_survives_a_save_and_load_and_sees_one_changed_entry(tmp_path):
+    saved = tiny_gpt2(tie=True)
+    saved.save_pretrained(tmp_path)
+    loaded = build_model({"name_or_path": str(tmp_path)}, StubTokenizer(VOCAB))
+    assert weights_fingerprint(loaded) == weights_fingerprint(saved)
+    with torch.no_grad():
+        next(loaded.transformer.h[0].parameters()).view(-1)[0] += 1e-6
+    assert weights_fingerprint(loaded) != weights_fingerprint(saved)

@@ -50,3 +50,34 @@ def test_finals_cover_every_optimizer_and_seed_plus_the_non_private_reference():
     assert {j.name for j in jobs if "optimizer=adam" in j.overrides} == {"adam_seed0", "adam_seed1", "adam_seed2"}
     # seed-major: the first five jobs are one complete seed of every optimizer
     assert [j.name for j in jobs[:5]] == [f"{opt}_seed0" for opt in (*reproduce.DP_OPTIMIZERS, "adam")]
+
+
+def test_a_published_run_is_not_run_again_when_its_working_directory_is_gone(tmp_path, monkeypatch):
+    job = reproduce.final_jobs("dart", dict.fromkeys(reproduce.DP_OPTIMIZERS, 1e-3), seeds=[0])[0]
+    published = tmp_path / "results" / job.stage / job.name
+    published.mkdir(parents=True)
+    (published / "summary.json").write_text("{}")
+    monkeypatch.setattr(reproduce.subprocess, "run", lambda *a, **k: pytest.fail("a published run was re-run"))
+    assert reproduce.run_job(job, tmp_path / "work", tmp_path / "results", threads=1) == published
+
+
+def _pretraining_run(path, losses):
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text("{}")
+    (path / "metrics.jsonl").write_text("".join(f'{{"step": {i + 1}, "train_loss": {x}, "step_seconds": {i}}}\n' for i, x in enumerate(losses)))
+    return path
+
+
+def test_a_rebuilt_public_model_is_recorded_beside_the_first_build_not_over_it(tmp_path):
+    results = tmp_path / "results"
+    assert reproduce.public_record(results, tmp_path / "run", "ab" * 32) == results / "public_pretraining"
+    _pretraining_run(results / "public_pretraining", [9.0, 8.5])
+    # same trajectory (timings aside): the same build, even before fingerprints were recorded
+    same = _pretraining_run(tmp_path / "same", [9.0, 8.5])
+    assert reproduce.public_record(results, same, "ab" * 32) == results / "public_pretraining"
+    # a floating-point-level difference is another model
+    rebuilt = _pretraining_run(tmp_path / "rebuilt", [9.0, 8.500001])
+    assert reproduce.public_record(results, rebuilt, "cd" * 32) == results / f"public_pretraining-{'cd' * 6}"
+    # once a fingerprint is recorded, it decides
+    (results / "public_pretraining" / "weights_sha256.txt").write_text("cd" * 32 + "\n")
+    assert reproduce.public_record(results, rebuilt, "cd" * 32) == results / "public_pretraining"

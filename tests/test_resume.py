@@ -67,7 +67,7 @@ def assert_same_run(resumed: Path, reference: tuple[Path, dict]) -> None:
     ref_dir, ref_summary = reference
     assert rows(resumed) == rows(ref_dir)  # no row lost, none duplicated, same numbers
     summary = json.loads((resumed / "summary.json").read_text())
-    for key in ("epsilon", "steps", "test_nll", "bleu", "noise_multiplier"):
+    for key in ("epsilon", "steps", "test_nll", "bleu", "noise_multiplier", "initial_weights_sha256", "final_weights_sha256"):
         assert summary[key] == ref_summary[key], key
     ours = torch.load(resumed / "checkpoint.pt", weights_only=False)["model"]
     theirs = torch.load(ref_dir / "checkpoint.pt", weights_only=False)["model"]

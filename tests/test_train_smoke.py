@@ -36,6 +36,7 @@ def test_smoke_run_writes_the_artifact_contract(tmp_path, dataset, optimizer):
     assert 0 < on_disk["epsilon"] <= on_disk["target_epsilon"] == 8.0
     assert on_disk["noise_multiplier"] == 1.0 and on_disk["accountant"] == "prv"
     assert on_disk["test_nll"] > 0 and 0 <= on_disk["bleu"] <= 100 and 0 <= on_disk["rouge_l"] <= 100
+    assert on_disk["initial_weights_sha256"] != on_disk["final_weights_sha256"]  # training moved the weights
 
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

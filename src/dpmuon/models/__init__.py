@@ -1,7 +1,7 @@
 """Models: GPT-2-family causal LMs and their per-example loss."""
 
 from .build import build_model, context_length
-from .factory import build_random_gpt2, lm_head_is_tied, load_pretrained, untie_lm_head
+from .factory import build_random_gpt2, lm_head_is_tied, load_pretrained, untie_lm_head, weights_fingerprint
 from .lm import IGNORE_INDEX, hidden_matrices, per_example_lm_loss, position_ids_for
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "per_example_lm_loss",
     "position_ids_for",
     "untie_lm_head",
+    "weights_fingerprint",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
@@ -59,3 +61,17 @@ def untie_lm_head(model: nn.Module) -> None:
 def lm_head_is_tied(model: nn.Module) -> bool:
     head = model.get_output_embeddings()
     return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """SHA-256 of every parameter's name, dtype, shape and bytes: which weights a run started from.
+
+    A tied tensor counts once (named_parameters deduplicates it), so a model saved with
+    `save_pretrained` and loaded again has the fingerprint it had when it was saved.
+    """
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        tensor = param.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

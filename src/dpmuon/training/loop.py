@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..eval.curves import write_curves
 from ..eval.metrics import score
 from ..eval.runs import Run
-from ..models import build_model, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss
+from ..models import build_model, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss, weights_fingerprint
 from ..optim import OptimizerInputs, build_optimizer
 from ..privacy import (
     GaussianNoise,
@@ -159,6 +159,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.get("bpe_merges"))
     data = prepare_data(cfg.dataset, cfg.data, tokenizer, context_length(cfg.model), log)
     model = build_model(cfg.model, tokenizer, seed=int(cfg.seed)).to(device)
+    # Recorded before any checkpoint is loaded: the starting point of the run, resumed or not.
+    initial_weights = weights_fingerprint(model)
     pad_id = tokenizer.pad_token_id
 
     # ---- privacy plan: q, steps and σ are fixed before step 1 ------------------------------
@@ -357,6 +359,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         "engine": cfg.privacy.engine if private else None,
         "world_size": parallel.world_size,
         "tied_lm_head": lm_head_is_tied(model),
+        "initial_weights_sha256": initial_weights,
+        "final_weights_sha256": weights_fingerprint(model),
         "test_nll": test_nll,
         "val_nll": _last(metrics.rows(), "val_nll"),
         "bleu": scores["bleu"],
