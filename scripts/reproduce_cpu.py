@@ -101,15 +101,17 @@ def final_jobs(dataset: str, rates: dict[str, float], seeds: list[int]) -> list[
 
 
 def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
-    """Run (or resume, or skip) one job; its working directory lives under `work`.
+    """Run (or resume, or skip) one job and return its published copy under `results`.
 
-    A run already published under `results` is not run again, even when its working directory
-    is gone (the committed record is the result; re-running would replace it with another draw).
+    Its working directory (with checkpoints) lives under `work`. A run already published under
+    `results` is not run again, even when its working directory is gone (the committed record
+    is the result; re-running would replace it with another draw).
     """
     run_dir = work / job.stage / job.name
-    if (run_dir / "summary.json").exists():
-        return run_dir
     published = results / job.stage / job.name
+    if (run_dir / "summary.json").exists():
+        publish(run_dir, published)
+        return published
     if (published / "summary.json").exists():
         return published
     if (run_dir / ".hydra" / "config.yaml").exists():
@@ -123,7 +125,8 @@ def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
     if done.returncode != 0:
         raise SystemExit(f"{job.name} failed (exit {done.returncode}); see {work / job.stage / (job.name + '.log')}")
     print(f"  {job.stage}/{job.name}: {time.time() - start:.0f} s", flush=True)
-    return run_dir
+    publish(run_dir, published)  # at once: a run is on record (and committable) as soon as it ends
+    return published
 
 
 def publish(run_dir: Path, dest: Path) -> None:
@@ -136,12 +139,9 @@ def publish(run_dir: Path, dest: Path) -> None:
 def run_all(jobs: list[Job], work: Path, results: Path, parallel: int) -> list[dict]:
     threads = 1 if parallel > 1 else 2
     with ThreadPoolExecutor(parallel) as pool:
-        run_dirs = list(pool.map(lambda job: run_job(job, work, results, threads), jobs))
+        published_dirs = list(pool.map(lambda job: run_job(job, work, results, threads), jobs))
     summaries = []
-    for job, run_dir in zip(jobs, run_dirs):
-        published = results / job.stage / job.name
-        if run_dir != published:
-            publish(run_dir, published)
+    for published in published_dirs:
         summary = json.loads((published / "summary.json").read_text())
         config = (published / "config.yaml").read_text()
         summary["learning_rate"] = _config_lr(config)

@@ -81,3 +81,20 @@ def test_a_rebuilt_public_model_is_recorded_beside_the_first_build_not_over_it(t
     # once a fingerprint is recorded, it decides
     (results / "public_pretraining" / "weights_sha256.txt").write_text("cd" * 32 + "\n")
     assert reproduce.public_record(results, rebuilt, "cd" * 32) == results / "public_pretraining"
+
+
+def test_a_run_is_published_as_soon_as_it_finishes(tmp_path, monkeypatch):
+    job = reproduce.tuning_jobs("e2e", steps=40)[0]
+
+    def fake_training(cmd, **kwargs):
+        run_dir = Path(next(arg for arg in cmd if arg.startswith("hydra.run.dir=")).split("=", 1)[1])
+        (run_dir / ".hydra").mkdir(parents=True)
+        (run_dir / ".hydra" / "config.yaml").write_text("optimizer: {lr: 0.001}\n")
+        (run_dir / "summary.json").write_text('{"val_nll": 2.0}')
+        (run_dir / "checkpoint.pt").write_text("not published")
+        return reproduce.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(reproduce.subprocess, "run", fake_training)
+    published = reproduce.run_job(job, tmp_path / "work", tmp_path / "results", threads=1)
+    assert published == tmp_path / "results" / job.stage / job.name
+    assert sorted(p.name for p in published.iterdir()) == ["config.yaml", "summary.json"]
