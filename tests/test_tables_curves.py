@@ -131,6 +131,15 @@ def test_markdown_notes_name_scorers_commits_commands_and_paper_source(runs_root
     assert "pretrained GPT-2" in notes
 
 
+def test_notes_say_which_starting_weights_the_runs_share_once_any_run_records_them(runs_root: Path, tmp_path: Path):
+    tables_main([str(runs_root), "--out", str(tmp_path / "before")])
+    assert "Initial weights" not in (tmp_path / "before" / "e2e" / "table.md").read_text()  # older runs: no claim
+    write_run(runs_root, "e2e/dp_adam/seed3", seed=3, initial_weights_sha256="ae3e8c4f760b" + "0" * 52)
+    tables_main([str(runs_root), "--out", str(tmp_path / "after")])
+    notes = (tmp_path / "after" / "e2e" / "table.md").read_text().split("## Notes")[1]
+    assert "Initial weights (`initial_weights_sha256`, first 12 hex digits): `ae3e8c4f760b` (1 run), `not recorded` (6 runs)." in notes
+
+
 def test_dart_table_has_its_own_paper_row(runs_root: Path, tmp_path: Path):
     tables_main([str(runs_root), "--out", str(tmp_path / "results")])
     header, _, row = table_rows((tmp_path / "results" / "dart" / "table.md").read_text())

@@ -244,7 +244,16 @@ def _provenance_notes(runs: Sequence[Run]) -> list[str]:
     commits = Counter(run.summary["git_commit"] or "unknown" for run in runs)
     commit_text = ", ".join(f"`{commit}` ({_runs(count)})" for commit, count in sorted(commits.items()))
     commands = sorted({_command_text(run.summary["command"]) for run in runs})
-    return [f"- Runs: {len(runs)}. Git commits: {commit_text}.", "- Commands:", "", "```", *commands, "```"]
+    return [f"- Runs: {len(runs)}. Git commits: {commit_text}.", *_initial_weights_note(runs), "- Commands:", "", "```", *commands, "```"]
+
+
+def _initial_weights_note(runs: Sequence[Run]) -> list[str]:
+    """Which starting weights the runs share (e.g. two builds of one public model), once recorded."""
+    if not any(run.summary.get("initial_weights_sha256") for run in runs):
+        return []
+    starts = Counter((run.summary.get("initial_weights_sha256") or "")[:12] or "not recorded" for run in runs)
+    text = ", ".join(f"`{start}` ({_runs(count)})" for start, count in sorted(starts.items()))
+    return [f"- Initial weights (`initial_weights_sha256`, first 12 hex digits): {text}."]
 
 
 def _command_text(command: str | list[str] | None) -> str:
