@@ -10,9 +10,10 @@ under results/ has a summary.json — and resumes killed runs):
 2. tuning: every DP optimizer at each learning rate of its grid (same number of trials each),
    one seed, half the training horizon, scored by validation NLL — the test set is not used;
 3. finals: each DP optimizer at its selected rate, and non-private Adam, for every seed;
-4. publish: each finished run's summary.json, metrics.jsonl, resolved config and generations
-   are copied to results/<dataset>/{tuning,runs}/<run>/ (no checkpoints), and the public
-   pretraining run's to results/<dataset>/public_pretraining/;
+4. publish (as each run ends): its summary.json, metrics.jsonl, resolved config and generations
+   are copied to results/<dataset>/{tuning,runs}/<run>/ (no checkpoints); the public
+   pretraining run's go to results/<dataset>/public_pretraining/ (a rebuild with other
+   weights: public_pretraining-<fingerprint>/);
 5. report: tables, curves, the momentum-SNR figure and the paired comparison, all by the
    project's scripts, and tuning.md.
 """
