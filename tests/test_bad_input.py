@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
+from dpmuon.config.schema import ConfigError, blamed_on, validate
 from dpmuon.data import DataError
 from dpmuon.errors import UserError
 from dpmuon.training.loop import run
@@ -63,11 +63,9 @@ def test_missing_split_says_what_to_run(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("privacy.target_epsilon=0", "target_epsilon must be > 0"),
         ("privacy.delta=0.02", r"delta=0.02 must be in \(0, 1/N\)"),
         ("privacy.expected_lot_size=500", r"expected lot size 500 must be in \[1, N=100\]"),
         ("privacy.noise_multiplier=0.3", "over by"),
-        ("trainer.device=tpu", "unknown trainer.device"),
     ],
 )
 def test_impossible_settings_are_refused_before_training(tmp_path, override, message):
@@ -77,12 +75,66 @@ def test_impossible_settings_are_refused_before_training(tmp_path, override, mes
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+# The six values of issue #14, then one bad value per option kind; (override, the one line).
+ONE_LINE_ERRORS = [
+    ("privacy.clip_norm=-1", "privacy.clip_norm=-1: must be > 0; valid: a number > 0"),
+    ("privacy.accountant=gdp", "privacy.accountant=gdp: not one of the choices; valid: prv | rdp"),
+    ("optimizer.lr=-1", "optimizer.lr=-1: must be > 0; valid: a number > 0"),
+    ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0: must be >= 1; valid: an integer >= 1"),
+    ("privacy.target_epsilon=abc", "privacy.target_epsilon=abc: not a number; valid: a number > 0"),
+    ("model.name_or_path=/some/missing/dir", "model.name_or_path=/some/missing/dir: local directory not found: /some/missing/dir; valid: null or a local directory or a Hugging Face hub id (e.g. gpt2)"),
+    ("privacy.delta=1.5", "privacy.delta=1.5: must be < 1; valid: a number > 0 and < 1"),
+    ("trainer.steps=2.5", "trainer.steps=2.5: not an integer; valid: null or an integer >= 1"),
+    ("eval.validation=maybe", "eval.validation=maybe: not true or false; valid: true or false"),
+    ("trainer.device=tpu", "trainer.device=tpu: not one of the choices; valid: auto | cpu | cuda"),
+    ("trainer.fixed_batch_shape=1", "trainer.fixed_batch_shape=1: not one of the choices; valid: auto | true | false"),
+    ("data.root=/no/such/data", "data.root=/no/such/data: directory not found: /no/such/data; valid: null or an existing directory"),
+    ("model.n_embd=30", "model.n_embd=30: not a multiple of model.n_head=4; valid: a multiple of 4"),
+    ("optimizer.betas=[0.9,1.5]", "optimizer.betas=[0.9, 1.5]: needs two numbers in [0, 1); valid: [β1, β2] with 0 <= β < 1"),
+]
+
+
+@pytest.mark.parametrize("override,line", ONE_LINE_ERRORS, ids=[o for o, _ in ONE_LINE_ERRORS])
+def test_bad_value_is_one_line_naming_key_value_and_valid_range(override, line):
+    with pytest.raises(ConfigError) as caught:
+        validate(compose_config(override))
+    assert str(caught.value) == line
+
+
+def test_a_bad_value_stops_the_run_before_any_data_is_read(tmp_path):
+    # data.root is empty: reading data first would end in a DataError ("make data") instead
+    with pytest.raises(ConfigError, match=r"^trainer.micro_batch_size=0: "):
+        run(compose_config("trainer.micro_batch_size=0", f"data.root={tmp_path}"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_default_config_and_every_experiment_validate():
+    for experiment in ("smoke", "e2e", "dart", "cpu_e2e"):
+        validate(compose_config(f"experiment={experiment}"))
+
+
+def test_mechanism_seed_value_is_never_printed():
+    with pytest.raises(ConfigError) as caught:
+        validate(compose_config("privacy.mechanism_seed=s3cr3t"))
+    assert "s3cr3t" not in str(caught.value) and str(caught.value).startswith("privacy.mechanism_seed=<hidden>: not an integer")
+
+
+def test_library_errors_from_a_configured_value_name_the_key():
+    with pytest.raises(ConfigError, match=r"^model.name_or_path=gpt2: not a local directory, and the Hugging Face hub could not provide it .*model.name_or_path=/path/to/model"):
+        with blamed_on("model.name_or_path", "gpt2"):
+            raise OSError("We couldn't connect to 'https://huggingface.co'\nmany more lines")
+    with pytest.raises(ConfigError, match=r"^optimizer.warmup_steps=9: warmup must end"):
+        with blamed_on("optimizer.warmup_steps", 9):
+            raise ValueError("warmup must end before the last of the 8 planned steps")
+
+
 def test_cli_prints_one_line_and_exits_2(tmp_path):
-    require_real_data()
-    out = cli(*SMALL, "privacy.target_epsilon=-1", f"hydra.run.dir={tmp_path}")
+    # a hub model with a local path that is not there: refused before any hub access
+    overrides = ["model=gpt2", "model.name_or_path=/some/missing/dir"]
+    out = cli(*overrides, f"hydra.run.dir={tmp_path}")
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("error: privacy.target_epsilon must be > 0")
-    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [f"error: {dict(ONE_LINE_ERRORS)[overrides[-1]]}"]
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_cli_unknown_optimizer_lists_the_valid_ones(tmp_path):

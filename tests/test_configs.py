@@ -6,11 +6,14 @@ import itertools
 from pathlib import Path
 
 import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from conftest import tiny_gpt2
 from dpmuon.models import hidden_matrices
 from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
+from dpmuon.config.roster import kind_defaults, optimizer_names, optimizer_roster
+from dpmuon.optim.registry import _completed
 from dpmuon.train import CONFIG_DIR
 from helpers_train import compose_config, compose_many
 
@@ -20,6 +23,8 @@ EXPERIMENTS = [None] + sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").
 
 def test_groups_offer_what_the_docs_promise():
     assert GROUPS["optimizer"] == ["adam", "dp_adam", "dp_muon", "dp_muonbc", "dp_sgd", "muon"]
+    assert optimizer_names() == ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc", "adam", "muon")  # display order
+    assert optimizer_names(private=True) == ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
     assert GROUPS["dataset"] == ["dart", "e2e"]
     assert {"tiny", "gpt2", "gpt2-medium", "distilgpt2"} <= set(GROUPS["model"])
     assert {"smoke", "e2e", "dart"} <= set(EXPERIMENTS[1:])
@@ -78,9 +83,48 @@ def test_each_optimizer_config_builds_its_optimizer(optimizer):
 def test_dp_muonbc_is_dp_muon_plus_correction():
     muon, bc = compose_config("optimizer=dp_muon").optimizer, compose_config("optimizer=dp_muonbc").optimizer
     differing = {k for k in set(muon) | set(bc) if muon.get(k) != bc.get(k)}
-    assert differing == {"name", "kind", "bias_correction"}
+    assert differing == {"name", "kind", "display", "bias_correction"}
 
 
 def test_unknown_optimizer_kind_lists_valid_ones():
     with pytest.raises(ValueError, match="valid: adam, muon, muonbc, sgd"):
         build_optimizer("lion", OptimizerInputs(params={}), {})
+
+
+def test_roster_is_read_by_makefile_sweeps_eval_and_scripts():
+    """The one list: every consumer takes conf/optimizer/*.yaml's names, flags and colours."""
+    from dpmuon.eval.curves import OPTIMIZER_COLORS
+    from dpmuon.eval.grouping import _OPTIMIZER_ORDER
+
+    assert {e.name for e in optimizer_roster()} == set(GROUPS["optimizer"])
+    assert _OPTIMIZER_ORDER == optimizer_names()
+    assert OPTIMIZER_COLORS == {e.name: e.color for e in optimizer_roster()}
+    assert len(set(OPTIMIZER_COLORS.values())) == len(OPTIMIZER_COLORS)
+    assert "$(shell $(PYTHON) -m dpmuon.config.roster --private)" in (Path(CONFIG_DIR).parent / "Makefile").read_text()
+    for sweep in ("sweep_eps", "sweep_clip"):
+        swept = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{sweep}.yaml").hydra.sweeper.params.optimizer
+        [override] = OverridesParser.create().parse_overrides([f"optimizer={swept}"])  # as Hydra's sweeper does
+        assert list(override.sweep_string_iterator()) == list(optimizer_names(private=True))
+
+
+@pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
+def test_builders_receive_the_yaml_defaults_and_nothing_else(optimizer):
+    """Defaults appear once (conf/optimizer/): what the built optimizer holds is the YAML's
+    value, whether the caller passes the composed section or only a learning rate."""
+    section = OmegaConf.to_container(compose_config(f"optimizer={optimizer}").optimizer, resolve=True)
+    model = tiny_gpt2()
+    inputs = OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model))
+    partial = {"lr": 0.5, **({"adam": {"lr": 0.25}} if "adam" in section else {})}
+    for given in (section, partial):
+        opt = build_optimizer(section["kind"], inputs, given)
+        expected = _completed(section, given)
+        for group in opt.param_groups:
+            settings = expected["adam"] if group.get("part") == "adam" else expected
+            for key in ("lr", "momentum", "nesterov", "weight_decay", "eps", "ns_steps", "update_scale"):
+                if key in group:
+                    assert group[key] == settings[key], (optimizer, key)
+            if "betas" in group:
+                assert list(group["betas"]) == settings["betas"]
+            if group.get("bias_correction"):
+                assert group["probe_scale"] == expected["bias_correction"]["probe_scale"]
+    assert kind_defaults(section["kind"]).keys() <= section.keys()  # the completion adds no key of its own

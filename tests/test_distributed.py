@@ -84,6 +84,7 @@ TORCHRUN_TINY = [
     "experiment=smoke", "optimizer=dp_muonbc", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",
     "data.max_train_examples=200", "data.max_valid_examples=8", "data.max_test_sources=2", "privacy.expected_lot_size=16",
     "privacy.noise_multiplier=1.0", "trainer.steps=4", "trainer.micro_batch_size=4", "trainer.num_threads=1",
+    "privacy.mechanism_seed=3",  # one and two processes must draw the same lots and noise
     "eval.num_beams=1", "eval.max_new_tokens=4", "logging.progress=false", "logger=none",
 ]  # fmt: skip
 

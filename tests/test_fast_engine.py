@@ -65,16 +65,21 @@ def naive_reference(model, partition, batch, loss_fn):
     return squared, summed
 
 
-def assert_close_dicts(got: dict, expected: dict, atol: float = ATOL, rtol: float = RTOL):
+def assert_close_dicts(got: dict, expected: dict, atol: float = ATOL, rtol: float = RTOL, dtype: torch.dtype = torch.float32):
     """allclose per tensor, with atol also scaled down to the tensor's size: heavily clipped
     sums are ~1e-5 per entry, where a bare atol of 1e-6 would hide 10% errors."""
     assert set(got) == set(expected)
     for name in expected:
-        assert got[name].dtype == torch.float32, name
+        assert got[name].dtype == dtype, name
         assert got[name].shape == expected[name].shape, name
         scale = float(expected[name].abs().max()) if expected[name].numel() else 0.0
         tolerance = min(atol, 1e-5 * scale) if scale > 0 else atol
-        assert torch.allclose(got[name], expected[name], atol=tolerance, rtol=rtol), name
+        assert torch.allclose(got[name], expected[name].to(dtype), atol=tolerance, rtol=rtol), name
+
+
+def assert_close_norms(got: dict, expected: dict):
+    """The fast engine's float64 squared norms against a reference's."""
+    assert_close_dicts(got, expected, atol=1e-10, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("clip_norm", [SMALL_C, LARGE_C], ids=["clipping", "no-clipping"])
@@ -91,7 +96,7 @@ def test_fast_matches_opacus(tie, left_pad, options, clip_norm):
     squared, _ = engine.per_example_squared_norms(batch, per_example_lm_loss)
     summed, losses, stats = engine.clipped_sum(batch, per_example_lm_loss)
 
-    assert_close_dicts(squared, ref_squared, atol=1e-10)
+    assert_close_norms(squared, ref_squared)
     norms, ref_norms = per_example_block_norms(partition, squared), per_example_block_norms(partition, ref_squared)
     assert torch.allclose(norms, ref_norms, atol=ATOL, rtol=RTOL)
     assert_close_dicts(summed, ref_summed)
@@ -115,7 +120,7 @@ def test_ghost_and_direct_norms_agree(tie):
         results[rule] = squared, summed
     ref_squared, ref_summed, _ = opacus_reference(model, partition, batch)
     for squared, summed in results.values():
-        assert_close_dicts(squared, ref_squared, atol=1e-10)
+        assert_close_norms(squared, ref_squared)
         assert_close_dicts(summed, ref_summed)
 
 
@@ -235,7 +240,7 @@ def test_module_called_twice_sums_both_calls():
     engine = FastEngine(model, partition)
     squared, _ = engine.per_example_squared_norms(batch, loss_with_token_types)
     summed, _, _ = engine.clipped_sum(batch, loss_with_token_types)
-    assert_close_dicts(squared, ref_squared, atol=1e-10)
+    assert_close_norms(squared, ref_squared)
     assert_close_dicts(summed, ref_summed)
 
 
@@ -270,7 +275,7 @@ def test_linear_layers_with_bias_and_padding_row(rule):
     engine = FastEngine(model, partition, weight_norms=rule)
     squared, _ = engine.per_example_squared_norms(batch, linear_net_loss)
     summed, _, _ = engine.clipped_sum(batch, linear_net_loss)
-    assert_close_dicts(squared, ref_squared, atol=1e-10)
+    assert_close_norms(squared, ref_squared)
     assert_close_dicts(summed, ref_summed)
     assert summed["embed.weight"][0].abs().sum() == 0  # the padding row gets no gradient
 

@@ -9,7 +9,7 @@ from importlib.metadata import version
 import pytest
 import sacrebleu
 
-from dpmuon.eval.metrics import corpus_bleu, rouge_l, score, single_reference_bleu
+from dpmuon.eval.metrics import SCORE_KEYS, corpus_bleu, lowercase_bleu, rouge_l, score, single_reference_bleu
 
 # Two items whose BLEU statistics are counted by hand below (13a leaves these tokens alone).
 HYP_CAT = "the cat sat on the mat"  # 6 tokens
@@ -105,14 +105,52 @@ def test_rouge_l_takes_best_reference_per_item_and_averages_items():
 
 def test_score_reports_every_metric_and_its_implementation():
     result = score([HYP_CAT], [[REF_CAT]])
-    assert set(result) == {"bleu", "bleu_single_ref", "rouge_l", "metric_implementations"}
+    assert tuple(result) == SCORE_KEYS  # the run summary writes exactly these keys
+    assert set(SCORE_KEYS) == {"bleu", "bleu_lowercase", "bleu_single_ref", "rouge_l", "metric_implementations"}
     implementations = result["metric_implementations"]
-    assert set(implementations) == {"bleu", "bleu_single_ref", "rouge_l"}
+    assert set(implementations) == set(SCORE_KEYS) - {"metric_implementations"}
     assert f"sacrebleu {sacrebleu.__version__}" in implementations["bleu"]
     assert "tokenize=13a" in implementations["bleu"] and "multi-reference" in implementations["bleu"]
+    assert "case-sensitive" in implementations["bleu"]
+    assert "lowercase" in implementations["bleu_lowercase"] and "multi-reference" in implementations["bleu_lowercase"]
+    assert "tokenize=13a" in implementations["bleu_lowercase"] and "case-sensitive" not in implementations["bleu_lowercase"]
     assert "single reference" in implementations["bleu_single_ref"]
     assert implementations["rouge_l"].startswith(f"rouge-score {version('rouge-score')} RougeScorer(['rougeL']")
     assert "F-measure" in implementations["rouge_l"] and "max over references" in implementations["rouge_l"]
+
+
+def test_lowercase_bleu_is_the_hand_computed_score_whatever_the_case():
+    # The variable-reference-count case above (1 and 2 references, BP = 1), with the casing of a
+    # hypothesis and of one reference changed: only the case-insensitive score is unaffected.
+    hypotheses = [HYP_CAT.upper(), HYP_ABC]
+    references = [[REF_CAT], [REF_ABC_LONG.title(), HYP_ABC.upper()]]
+    assert lowercase_bleu(hypotheses, references) == pytest.approx(100 * GEOMETRIC_MEAN, abs=1e-9)
+    assert corpus_bleu(hypotheses, references) < 100 * GEOMETRIC_MEAN - 10
+
+
+def test_lowercase_bleu_uses_each_sources_own_references_in_any_number():
+    # Sources with 1, 3 and 2 references; each hypothesis equals one of its own references up
+    # to case, so only the case-insensitive score is perfect.
+    hypotheses = ["The Eagle is a pub .", "Blue Spice serves French food .", "a b c d e"]
+    references = [
+        ["the eagle is a pub ."],
+        ["blue spice is in riverside .", "BLUE SPICE SERVES FRENCH FOOD .", "blue spice is cheap"],
+        ["A B C D E F G", "A B C D E"],
+    ]
+    assert lowercase_bleu(hypotheses, references) == pytest.approx(100.0)
+    assert corpus_bleu(hypotheses, references) < 50.0
+    # The same reference lists attached to the wrong sources match much less.
+    assert lowercase_bleu(hypotheses, references[::-1]) < 50.0
+    # Lowercasing is the only difference from the case-sensitive scorer.
+    lowered = [[ref.lower() for ref in refs] for refs in references]
+    assert lowercase_bleu(hypotheses, references) == corpus_bleu([h.lower() for h in hypotheses], lowered)
+
+
+def test_lowercase_bleu_ignores_blank_references_like_bleu():
+    hypotheses = [HYP_CAT, HYP_ABC]
+    clean = [[REF_CAT], [REF_ABC_LONG]]
+    with_blanks = [["  ", REF_CAT], [REF_ABC_LONG, ""]]
+    assert lowercase_bleu(hypotheses, with_blanks) == lowercase_bleu(hypotheses, clean) == corpus_bleu(hypotheses, clean)
 
 
 @pytest.mark.parametrize(
@@ -127,6 +165,6 @@ def test_score_reports_every_metric_and_its_implementation():
     ],
 )
 def test_invalid_inputs_are_rejected(hypotheses, references, message):
-    for metric in (corpus_bleu, single_reference_bleu, rouge_l):
+    for metric in (corpus_bleu, lowercase_bleu, single_reference_bleu, rouge_l):
         with pytest.raises(ValueError, match=re.escape(message)):
             metric(hypotheses, references)

@@ -94,7 +94,18 @@ def test_snr_estimate_is_unbiased_for_signal_energy():
     draws = [estimate_snr(M0 + s * torch.randn(M0.shape, generator=g), s) for _ in range(200)]
     assert sum(draws) / len(draws) == pytest.approx(true_snr, rel=0.05)
     assert estimate_snr(M0, 0.0) == math.inf
-    assert estimate_snr(torch.zeros(10, 10), 1.0) == 0.0
+    assert estimate_snr(torch.zeros(10, 10), 1.0) == -1.0  # not clamped: ‖0‖² − s²mn < 0
+
+
+def test_low_snr_estimates_average_to_the_true_snr():
+    """At SNR 0.01 about half the estimates are negative; clamping them at 0 biased the mean
+    to ~0.06. Unclamped, the mean is unbiased."""
+    g = torch.Generator().manual_seed(1)
+    s = 1.0
+    M0 = torch.full((32, 32), 0.1)  # ‖M0‖² / (s²mn) = 0.01
+    draws = [estimate_snr(M0 + s * torch.randn(M0.shape, generator=g), s) for _ in range(2000)]
+    assert min(draws) < 0
+    assert sum(draws) / len(draws) == pytest.approx(0.01, abs=0.004)
 
 
 def _one_step(bias_correction: bool, noise_std: float, min_snr=None, seed=3):

@@ -1,4 +1,9 @@
-"""Kill a run (SIGKILL mid-training, or SIGTERM) and resume: same result as never stopping."""
+"""Kill a run (SIGKILL before or between checkpoints, or SIGTERM) and resume.
+
+With a user mechanism seed the resumed run replays its lots and noise and ends exactly where an
+uninterrupted run ends; in secure mode every re-run step is a fresh release and is charged.
+Either way the ledger keeps every release, and ε is its composition.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import pytest
 import torch
 
 from dpmuon.errors import UserError
+from dpmuon.privacy import PrivacyAccountant
 from dpmuon.training.loop import run
 from dpmuon.training.plan import check_resume_compatible, make_plan
 from helpers_train import compose_config, require_real_data
@@ -22,10 +28,15 @@ OVERRIDES = [
     "experiment=smoke", "optimizer=dp_muonbc", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
     "model.n_positions=128", "data.max_train_examples=200", "data.max_valid_examples=8", "data.max_test_sources=2",
     "privacy.expected_lot_size=16", "privacy.noise_multiplier=1.0", "trainer.steps=8", "trainer.micro_batch_size=8",
-    "trainer.eval_every=3", "trainer.checkpoint_every=2", "eval.num_beams=1", "eval.max_new_tokens=4",
+    "trainer.eval_every=3", "trainer.checkpoint_every=4", "eval.num_beams=1", "eval.max_new_tokens=4",
     "logging.progress=false", "logger=none", "trainer.num_threads=1",
 ]  # fmt: skip
+SEEDED = ["privacy.mechanism_seed=11"]
+# Secure mode at a calibrated σ: ε after the 8 planned steps is just below the target, so one
+# charged re-release more would exceed it and the budget guard must stop the run.
+SECURE = ["privacy.secure_noise=true", "privacy.noise_multiplier=null", "privacy.target_epsilon=4"]
 TIMING = {"step_seconds"}
+BEFORE_FIRST_CHECKPOINT, BETWEEN_CHECKPOINTS = 1, 5
 
 
 def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -46,12 +57,35 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
     pytest.fail(f"step {step} not reached within {timeout}s")
 
 
+def kill_after(run_dir: Path, step: int, *extra: str) -> list[dict]:
+    """SIGKILL the run once `step` is logged; returns the ledger as it was left."""
+    proc = launch(run_dir, *extra)
+    wait_for_step(run_dir, proc, step)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return ledger(run_dir)
+
+
 def rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def ledger(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "privacy_ledger.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
 def resume(run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume-launch"], capture_output=True, text=True, timeout=600)
+
+
+def ledger_epsilon(records: list[dict]) -> float:
+    header = records[0]
+    accountant = PrivacyAccountant(header["delta"], header["accountant"])
+    for r in records[1:]:
+        if r["charged"]:
+            accountant.step(r["noise_multiplier"], r["sample_rate"])
+    return accountant.epsilon()
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +93,7 @@ def reference(tmp_path_factory):
     require_real_data()
     torch.set_num_threads(1)
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    summary = run(compose_config(*OVERRIDES), run_dir)
+    summary = run(compose_config(*OVERRIDES, *SEEDED), run_dir)
     return run_dir, summary
 
 
@@ -75,22 +109,56 @@ def assert_same_run(resumed: Path, reference: tuple[Path, dict]) -> None:
     assert (resumed / "generations.txt").read_text() == (ref_dir / "generations.txt").read_text()
 
 
-@pytest.mark.parametrize("kill_after", [3, 6])
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, reference, kill_after):
+@pytest.mark.parametrize("killed_at", [BEFORE_FIRST_CHECKPOINT, BETWEEN_CHECKPOINTS])
+def test_seeded_kill_then_resume_replays_for_free_and_equals_uninterrupted_run(tmp_path, reference, killed_at):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir)
-    wait_for_step(run_dir, proc, kill_after)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    before = kill_after(run_dir, killed_at, *SEEDED)
+    assert not (run_dir / "checkpoint.pt").exists() or killed_at == BETWEEN_CHECKPOINTS
     done = resume(run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from step" in done.stderr
     assert_same_run(run_dir, reference)
+    after = ledger(run_dir)
+    assert after[: len(before)] == before  # nothing released is ever forgotten
+    charged = [r for r in after[1:] if r["charged"]]
+    assert [r["step"] for r in charged] == list(range(1, 9))  # re-run steps matched: free
+    assert [r["release_sha256"] for r in charged] == [r["release_sha256"] for r in ledger(reference[0])[1:]]
+    replays = [r for r in after[1:] if not r["charged"]]
+    assert all(r["release_sha256"] in {c["release_sha256"] for c in charged if c["step"] == r["step"]} for r in replays)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epsilon"] == pytest.approx(ledger_epsilon(after), rel=1e-12)
+    assert not (run_dir / "mechanism_state.pt").exists()  # deleted once the run completed
+
+
+@pytest.mark.parametrize("killed_at", [BEFORE_FIRST_CHECKPOINT, BETWEEN_CHECKPOINTS])
+def test_secure_kill_then_resume_charges_every_rerelease_and_stops_at_the_budget(tmp_path, killed_at):
+    require_real_data()
+    run_dir = tmp_path / "run"
+    before = kill_after(run_dir, killed_at, *SECURE)
+    logged_before = rows(run_dir)
+    done = resume(run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = ledger(run_dir)
+    assert after[: len(before)] == before
+    charged = [r for r in after[1:] if r["charged"]]
+    steps = [r["step"] for r in charged]
+    assert len(steps) > len(set(steps))  # some step was released twice, and both are charged
+    assert all(r["charged"] for r in after[1:])  # fresh noise never reproduces a release
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epsilon"] == pytest.approx(ledger_epsilon(after), rel=1e-12)
+    assert summary["epsilon"] <= 4.0
+    assert summary["releases_charged"] == len(charged)
+    assert summary["stopped_by_budget_guard"] and "budget" in summary["stop_reason"]
+    assert summary["steps"] < 8
+    # Rows of re-run steps were moved aside, not deleted.
+    superseded = [json.loads(line) for line in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
+    redone = [r for r in logged_before if r["step"] > (0 if killed_at == BEFORE_FIRST_CHECKPOINT else 4)]
+    assert [r["step"] for r in superseded] == [r["step"] for r in redone] and all(r["superseded"] for r in superseded)
 
 
 def test_sigterm_checkpoints_and_says_how_to_resume(tmp_path, reference):
     run_dir = tmp_path / "run"
-    proc = launch(run_dir)
+    proc = launch(run_dir, *SEEDED)
     wait_for_step(run_dir, proc, 1)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)

@@ -40,7 +40,7 @@ def test_smoke_run_writes_the_artifact_contract(tmp_path, dataset, optimizer):
 
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all({"train_loss", "epsilon", "lr", "lot_size", "clip_fraction", "mean_grad_norm", "noise_std", "step_seconds"} <= set(r) for r in rows)
+    assert all({"train_loss", "epsilon", "lr", "lot_size", "clip_fraction", "mean_grad_norm", "noise_std", "noise_std_min", "noise_std_max", "step_seconds"} <= set(r) for r in rows)
     eps = [r["epsilon"] for r in rows]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(on_disk["epsilon"])
     assert [r["step"] for r in rows if "val_nll" in r] == [2, 4]
@@ -65,7 +65,7 @@ def test_disabling_nonprivate_diagnostics_leaves_only_released_quantities(tmp_pa
     cfg = compose_config("experiment=smoke", "optimizer=dp_muon", "logging.nonprivate_diagnostics=false", *TINY)
     run(cfg, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    allowed = {"step", "epsilon", "lr", "noise_std", "snr", "snr_median", "val_nll"}
+    allowed = {"step", "epsilon", "lr", "noise_std", "noise_std_min", "noise_std_max", "snr", "snr_median", "val_nll"}
     assert all(set(r) <= allowed for r in rows), [set(r) - allowed for r in rows]
 
 

@@ -17,18 +17,12 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from dpmuon.config.roster import optimizer_roster
 from dpmuon.eval.grouping import RunGroup, group_runs, runs_by_dataset
 from dpmuon.eval.runs import Run
 
-# Fixed so that a method has the same color in every figure of every dataset.
-OPTIMIZER_COLORS = {
-    "dp_sgd": "#1f77b4",
-    "dp_adam": "#ff7f0e",
-    "dp_muon": "#2ca02c",
-    "dp_muonbc": "#d62728",
-    "adam": "#9467bd",
-    "muon": "#8c564b",
-}
+# Fixed so that a method has the same color in every figure of every dataset (its YAML's `display.color`).
+OPTIMIZER_COLORS = {entry.name: entry.color for entry in optimizer_roster()}
 _OTHER_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 # Groups of one optimizer that differ in model or target ε share its color, not its line style.
 _LINE_STYLES = ("-", "--", ":", "-.")

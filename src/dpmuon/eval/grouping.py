@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dpmuon.config.roster import optimizer_names
 from dpmuon.eval.runs import Run
 
-PRIVATE_OPTIMIZERS = ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
-NON_PRIVATE_REFERENCES = ("adam", "muon")
-_OPTIMIZER_ORDER = PRIVATE_OPTIMIZERS + NON_PRIVATE_REFERENCES
+# Row order of tables and curves: the roster's (conf/optimizer/*.yaml, `display.rank`).
+_OPTIMIZER_ORDER = optimizer_names()
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ METRICS_FILE = "metrics.jsonl"
 REQUIRED_SUMMARY_KEYS = (
     "dataset", "optimizer", "model", "seed", "target_epsilon", "epsilon", "delta",
     "noise_multiplier", "sample_rate", "steps", "accountant", "clip_mode", "test_nll", "bleu",
-    "bleu_single_ref", "rouge_l", "train_seconds", "metric_implementations", "git_commit", "command",
-)  # fmt: skip
+    "bleu_single_ref", "rouge_l", "metric_implementations", "git_commit", "command",
+)  # fmt: skip  (train_seconds is absent when non-private diagnostics are off: it times the lots)
 TEXT_KEYS = ("dataset", "optimizer", "model")
 OPTIONAL_NUMBER_KEYS = (
-    "target_epsilon", "epsilon", "noise_multiplier", "test_nll", "bleu", "bleu_single_ref", "rouge_l",
+    "target_epsilon", "epsilon", "noise_multiplier", "test_nll", "bleu", "bleu_single_ref", "bleu_lowercase", "rouge_l",
 )  # fmt: skip
 # Per-step quantities the curves read; other logged keys are passed through unchecked.
 CURVE_KEYS = ("train_loss", "val_nll", "epsilon", "lr")
@@ -129,8 +129,8 @@ def _check_summary(file: Path, summary: dict[str, Any]) -> None:
         raise RunFormatError(f"{file}: 'dataset' must be a plain name, got {summary['dataset']!r}")
     if not _is_int(summary["seed"]):
         raise RunFormatError(f"{file}: 'seed' must be an integer, got {summary['seed']!r}")
-    for key in OPTIONAL_NUMBER_KEYS:
-        if not _is_optional_number(summary[key]):
+    for key in OPTIONAL_NUMBER_KEYS:  # a key newer than the run (e.g. bleu_lowercase) may be absent
+        if not _is_optional_number(summary.get(key)):
             raise RunFormatError(f"{file}: {key!r} must be a number or null, got {summary[key]!r}")
     if not isinstance(summary["metric_implementations"], dict):
         raise RunFormatError(f"{file}: 'metric_implementations' must be an object")

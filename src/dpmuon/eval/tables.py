@@ -14,10 +14,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpmuon.eval.grouping import RunGroup, format_epsilon, group_runs, runs_by_dataset
 from dpmuon.eval.paper import PAPER_CITATION, PAPER_MODEL, paper_result
-from dpmuon.eval.runs import Run
+from dpmuon.eval.runs import Run, RunFormatError
+
+if TYPE_CHECKING:
+    from dpmuon.privacy import study
 
 NOT_MEASURED = "not measured"
 NOT_APPLICABLE = "—"
@@ -31,20 +35,19 @@ class MetricColumn:
     header: str
     decimals: int
     paper_key: str | None  # key in PAPER_RESULTS, None when the paper has no such column
+    # A metric added after some runs were made: its column appears only in tables where some
+    # run's summary has the key, so tables of older runs stay as they were.
+    optional: bool = False
 
 
 METRIC_COLUMNS = (
     MetricColumn("test_nll", "test NLL", 4, "nll"),
     MetricColumn("bleu", "BLEU", 2, "bleu"),
+    MetricColumn("bleu_lowercase", "BLEU (lowercase)", 2, None, optional=True),
     MetricColumn("bleu_single_ref", "BLEU (single ref)", 2, None),
     MetricColumn("rouge_l", "ROUGE-L", 2, "rouge_l"),
 )
 PAPER_COLUMNS = tuple(column for column in METRIC_COLUMNS if column.paper_key is not None)
-HEADERS = (
-    ("optimizer", "model", "target ε", "ε spent (mean)", "seeds (n)")
-    + tuple(column.header for column in METRIC_COLUMNS)
-    + tuple(f"paper: {column.header}" for column in PAPER_COLUMNS)
-)
 _METRIC_NAMES = {column.key: column.header for column in METRIC_COLUMNS}
 
 LEGEND = (
@@ -65,7 +68,7 @@ class MetricStat:
 
     @classmethod
     def of(cls, runs: Sequence[Run], key: str) -> MetricStat:
-        values = tuple(float(run.summary[key]) for run in runs if run.summary[key] is not None)
+        values = tuple(float(run.summary[key]) for run in runs if run.summary.get(key) is not None)
         return cls(values, len(runs))
 
     @property
@@ -93,14 +96,16 @@ class TableRow:
     epsilon_spent: MetricStat | None  # None: the group is non-private
     metrics: dict[str, MetricStat]
     paper: dict[str, float | None] | None  # None: the paper has no comparable row
+    columns: tuple[MetricColumn, ...]  # the table's metric columns (shared by all its rows)
 
     @classmethod
-    def of(cls, dataset: str, group: RunGroup) -> TableRow:
+    def of(cls, dataset: str, group: RunGroup, columns: tuple[MetricColumn, ...]) -> TableRow:
         return cls(
             group=group,
             epsilon_spent=MetricStat.of(group.runs, "epsilon") if group.key.private else None,
-            metrics={column.key: MetricStat.of(group.runs, column.key) for column in METRIC_COLUMNS},
+            metrics={column.key: MetricStat.of(group.runs, column.key) for column in columns},
             paper=paper_result(dataset, group.key.optimizer, group.key.target_epsilon),
+            columns=columns,
         )
 
     @property
@@ -120,7 +125,7 @@ class TableRow:
             NOT_APPLICABLE if self.epsilon_spent is None else self.epsilon_spent.display(EPSILON_DECIMALS),
             f"{len(self.seeds)} ({', '.join(map(str, self.seeds))})",
         ]
-        cells += [self.metrics[column.key].display(column.decimals) for column in METRIC_COLUMNS]
+        cells += [self.metrics[column.key].display(column.decimals) for column in self.columns]
         cells += [self._paper_cell(column) for column in PAPER_COLUMNS]
         return cells
 
@@ -132,7 +137,25 @@ class TableRow:
 
 
 def build_rows(dataset: str, runs: Sequence[Run]) -> list[TableRow]:
-    return [TableRow.of(dataset, group) for group in group_runs(runs)]
+    columns = shown_columns(runs)
+    return [TableRow.of(dataset, group, columns) for group in group_runs(runs)]
+
+
+def shown_columns(runs: Sequence[Run]) -> tuple[MetricColumn, ...]:
+    """The metric columns of a table: every column, less optional ones that no run recorded."""
+    return tuple(c for c in METRIC_COLUMNS if not c.optional or any(c.key in run.summary for run in runs))
+
+
+def table_columns(rows: Sequence[TableRow]) -> tuple[MetricColumn, ...]:
+    return rows[0].columns if rows else shown_columns(())
+
+
+def table_headers(rows: Sequence[TableRow]) -> tuple[str, ...]:
+    return (
+        ("optimizer", "model", "target ε", "ε spent (mean)", "seeds (n)")
+        + tuple(column.header for column in table_columns(rows))
+        + tuple(f"paper: {column.header}" for column in PAPER_COLUMNS)
+    )
 
 
 def write_tables(runs: Sequence[Run], out_dir: Path) -> list[Path]:
@@ -157,17 +180,19 @@ def render_markdown(dataset: str, rows: Sequence[TableRow], runs: Sequence[Run])
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
-    lines = [f"# {dataset}: test-set results", "", line(HEADERS), line(["---"] * len(HEADERS))]
+    headers = table_headers(rows)
+    lines = [f"# {dataset}: test-set results", "", line(headers), line(["---"] * len(headers))]
     lines += [line(row.display_cells()) for row in rows]
     lines += ["", LEGEND, "", "## Notes", ""]
-    lines += _paper_notes(rows) + _scorer_notes(runs) + _provenance_notes(runs)
+    lines += _paper_notes(rows) + _study_privacy_notes(runs) + _scorer_notes(runs) + _provenance_notes(runs)
     return "\n".join(lines) + "\n"
 
 
 def render_csv(dataset: str, rows: Sequence[TableRow]) -> str:
     """Machine-readable numbers: an empty cell is a missing value (its `_n` column says 0)."""
     header = ["dataset", "label", "optimizer", "model", "target_epsilon", "private", "epsilon_spent_mean", "n_runs", "seeds"]
-    for column in METRIC_COLUMNS:
+    columns = table_columns(rows)
+    for column in columns:
         header += [f"{column.key}_mean", f"{column.key}_std", f"{column.key}_n"]
     header += [f"paper_{column.paper_key}" for column in PAPER_COLUMNS]
     buffer = io.StringIO()
@@ -181,7 +206,7 @@ def render_csv(dataset: str, rows: Sequence[TableRow]) -> str:
             _number(row.epsilon_spent.mean if row.epsilon_spent else None),
             len(row.group.runs), " ".join(map(str, row.seeds)),
         ]  # fmt: skip
-        for column in METRIC_COLUMNS:
+        for column in columns:
             stat = row.metrics[column.key]
             cells += [_number(stat.mean), _number(stat.std), len(stat.values)]
         cells += [_number(row.paper[column.paper_key] if row.paper else None) for column in PAPER_COLUMNS]
@@ -190,14 +215,15 @@ def render_csv(dataset: str, rows: Sequence[TableRow]) -> str:
 
 
 def render_latex(dataset: str, rows: Sequence[TableRow]) -> str:
+    headers = table_headers(rows)
     lines = [
         f"% {_tex(dataset)}: test-set results, generated by scripts/make_tables.py (needs booktabs).",
         f"% {_tex(LEGEND)}",
         f"% Paper columns quoted from {_tex(PAPER_CITATION)}, {_tex(PAPER_MODEL)}; not reproduced here.",
         "% Scorers, commits and commands: see table.md next to this file.",
-        r"\begin{tabular}{" + "l" * len(HEADERS) + "}",
+        r"\begin{tabular}{" + "l" * len(headers) + "}",
         r"\toprule",
-        " & ".join(map(_tex, HEADERS)) + r" \\",
+        " & ".join(map(_tex, headers)) + r" \\",
         r"\midrule",
     ]
     lines += [" & ".join(map(_tex, row.display_cells())) + r" \\" for row in rows]
@@ -224,9 +250,12 @@ def _scorer_notes(runs: Sequence[Run]) -> list[str]:
     )
     lines = ["- Scorers (from each run's `metric_implementations`):"]
     for key in keys:
-        # A run that left a metric null has no say in how it was measured; keys that are not
-        # summary metrics (e.g. a decoding note) count for every run.
-        measuring = [run for run in runs if key not in run.summary or run.summary[key] is not None]
+        # A run that left a metric null, or predates it, has no say in how it was measured; keys
+        # that are not summary metrics (e.g. a decoding note) count for every run.
+        measuring = [
+            run for run in runs
+            if run.summary.get(key) is not None or (key not in run.summary and key not in _METRIC_NAMES)
+        ]  # fmt: skip
         used = Counter(str(run.summary["metric_implementations"].get(key, "not recorded")) for run in measuring)
         if not used:
             continue
@@ -254,6 +283,60 @@ def _initial_weights_note(runs: Sequence[Run]) -> list[str]:
     starts = Counter((run.summary.get("initial_weights_sha256") or "")[:12] or "not recorded" for run in runs)
     text = ", ".join(f"`{start}` ({_runs(count)})" for start, count in sorted(starts.items()))
     return [f"- Initial weights (`initial_weights_sha256`, first 12 hex digits): {text}."]
+
+
+def _study_privacy_notes(runs: Sequence[Run]) -> list[str]:
+    """What publishing the table's runs, and the tuning runs that chose their rates, costs together.
+
+    Each run's ε holds for that run alone; runs on the same private examples compose
+    (dpmuon.privacy.study). The tuning runs are reproduce_cpu's layout: `tuning/` beside `runs/`.
+    """
+    from dpmuon.privacy import study  # here, not at the top: it loads torch, which the other reports skip
+
+    try:
+        table = [study.read_run(run.path) for run in runs]
+        tuning_dirs = _tuning_dirs(runs)
+        tuning = [study.read_run(path) for path in study.find_run_dirs(tuning_dirs)] if tuning_dirs else []
+        return [line for group in study.group_runs(table + tuning) for line in _study_group_note(group, set(tuning))]
+    except study.StudyError as error:
+        raise RunFormatError(f"study-level privacy: {error}") from error
+
+
+def _tuning_dirs(runs: Sequence[Run]) -> list[Path]:
+    siblings = {run.path.parent.parent / "tuning" for run in runs if run.path.parent.name == "runs"}
+    return sorted(folder for folder in siblings if folder.is_dir())
+
+
+def _study_group_note(group: study.StudyGroup, tuning: set[study.RunRecord]) -> list[str]:
+    from dpmuon.privacy import study
+
+    delta = group.delta(None)
+    private = group.private_runs
+    from_table = [run for run in private if run not in tuning]
+    from_tuning = [run for run in private if run in tuning]
+    parts = []
+    if from_table:
+        parts.append((f"the {_dp_runs(len(from_table))} of this table", from_table))
+    if from_tuning:
+        parts.append((f"the {_dp_runs(len(from_tuning))} in `tuning/` beside `runs/` (the learning-rate search)", from_tuning))
+    if from_table and from_tuning:
+        parts.append((f"all {len(private)} together", private))
+    costs = "; ".join(f"{label}: ε = {study.composed_epsilon(members, delta):.2f}" for label, members in parts)
+    at_delta = "" if delta is None else f", δ = {delta:g}"
+    lines = [f"- Study-level privacy on {group.label()}{at_delta}: {costs or 'no DP runs'}. PRV composition of "
+             "every charged release (`python -m dpmuon.privacy.study`); the ε spent column holds for each run alone."]  # fmt: skip
+    if any(run.source == study.RECONSTRUCTED for run in group.runs):
+        lines.append("  Releases are reconstructed from each run's summary.json (runs from before privacy ledgers).")
+    if group.non_private_runs:
+        optimizers = ", ".join(sorted({run.optimizer or "unknown" for run in group.non_private_runs}))
+        lines.append(f"  **{_runs(len(group.non_private_runs))} ({optimizers}) trained on these examples without noise: "
+                     "a study that publishes them gives this data no privacy guarantee (ε = ∞); the figures "
+                     "above count the DP runs only.**")  # fmt: skip
+    return lines
+
+
+def _dp_runs(count: int) -> str:
+    return f"{count} DP run" if count == 1 else f"{count} DP runs"
 
 
 def _command_text(command: str | list[str] | None) -> str:

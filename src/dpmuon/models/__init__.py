@@ -1,14 +1,18 @@
-"""Models: GPT-2-family causal LMs and their per-example loss."""
+"""Models: GPT-2- and Llama-family causal LMs and their per-example loss."""
 
+from .architectures import ARCHITECTURES, Shape
 from .build import build_model, context_length
-from .factory import build_random_gpt2, lm_head_is_tied, load_pretrained, untie_lm_head, weights_fingerprint
+from .factory import build_random_gpt2, build_random_lm, lm_head_is_tied, load_pretrained, untie_lm_head, weights_fingerprint
 from .lm import IGNORE_INDEX, hidden_matrices, per_example_lm_loss, position_ids_for
 
 __all__ = [
+    "ARCHITECTURES",
     "IGNORE_INDEX",
+    "Shape",
     "build_model",
     "context_length",
     "build_random_gpt2",
+    "build_random_lm",
     "hidden_matrices",
     "lm_head_is_tied",
     "load_pretrained",

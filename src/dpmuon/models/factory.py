@@ -1,4 +1,5 @@
-"""Model construction: hub / local GPT-2 checkpoints, or a random-init GPT-2 architecture."""
+"""Model construction: hub / local checkpoints of any causal LM, or a random-init GPT-2 or
+Llama-family architecture."""
 
 from __future__ import annotations
 
@@ -6,7 +7,25 @@ import hashlib
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
+
+from .architectures import Shape, architecture, dropout_overrides
+
+
+def build_random_lm(
+    arch: str,
+    shape: Shape,
+    tie_embeddings: bool = True,
+    dropout: float = 0.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+) -> nn.Module:
+    """A randomly initialized causal LM of the `arch` family (the offline stand-in for pretrained weights)."""
+    eos = shape.vocab_size - 1 if eos_token_id is None else eos_token_id
+    config = architecture(arch).random_config(shape, dropout, eos, tie_embeddings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config)
 
 
 def build_random_gpt2(
@@ -21,31 +40,14 @@ def build_random_gpt2(
     eos_token_id: int | None = None,
 ) -> GPT2LMHeadModel:
     """A randomly initialized GPT-2-architecture model (the offline stand-in for pretrained GPT-2)."""
-    eos = vocab_size - 1 if eos_token_id is None else eos_token_id
-    config = GPT2Config(
-        bos_token_id=eos,
-        eos_token_id=eos,
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-        tie_word_embeddings=tie_embeddings,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return GPT2LMHeadModel(config)
+    shape = Shape(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions)
+    return build_random_lm("gpt2", shape, tie_embeddings, dropout, seed, eos_token_id)
 
 
 def load_pretrained(name_or_path: str, dropout: float | None = None) -> nn.Module:
-    """A causal LM from a hub id or a local directory."""
-    kwargs = {}
-    if dropout is not None:
-        kwargs.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    """A causal LM from a hub id or a local directory; `dropout` sets the family's own dropout keys."""
+    model_type = AutoConfig.from_pretrained(name_or_path).model_type
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **dropout_overrides(model_type, dropout))
 
 
 def untie_lm_head(model: nn.Module) -> None:

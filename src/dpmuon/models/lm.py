@@ -16,7 +16,8 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Batch-shaped, contiguous position ids that skip left padding.
 
     GPT-2 otherwise builds ids of shape [1, T]; per-example gradients of the position embedding
-    need one row per example.
+    need one row per example. Llama-family models take them for their rotary embedding, so a
+    left-padded example is rotated exactly as unpadded.
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0).contiguous()
 
@@ -45,8 +46,9 @@ def per_example_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Ten
 def hidden_matrices(model: nn.Module) -> dict[str, str]:
     """Trainable weight matrices of the Linear / Conv1D layers inside the network body.
 
-    Excludes the input and output embeddings (token embedding, LM head). Values give the
-    storage layout: nn.Linear stores (out, in), HF Conv1D stores (in, out).
+    GPT-2: c_attn, c_proj, c_fc, mlp.c_proj; Llama / Qwen2 / SmolLM: q/k/v/o_proj and
+    gate/up/down_proj. Excludes the input and output embeddings (token embedding, LM head),
+    tied or not. Values give the storage layout: nn.Linear stores (out, in), HF Conv1D (in, out).
     """
     excluded = set()
     for getter in ("get_input_embeddings", "get_output_embeddings"):

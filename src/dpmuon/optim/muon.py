@@ -45,13 +45,15 @@ def estimate_snr(matrix: torch.Tensor, noise_std: float) -> float:
     """Signal-to-noise of a noisy matrix from released quantities only.
 
     ‖M‖_F² − s²·m·n is unbiased for the energy of the noise-free matrix, so the ratio to the
-    noise energy s²·m·n estimates the SNR (clamped at 0; inf without noise).
+    noise energy s²·m·n estimates the SNR (inf without noise). It is not clamped: at low SNR it
+    is often negative, and clamping at 0 would bias every average of it upwards; only the
+    `min_snr` gate compares it with a threshold.
     """
     noise_energy = noise_std**2 * matrix.numel()
     if noise_energy == 0:
         return math.inf
     signal_energy = float(matrix.float().pow(2).sum()) - noise_energy
-    return max(signal_energy, 0.0) / noise_energy
+    return signal_energy / noise_energy
 
 
 class Muon(torch.optim.Optimizer):

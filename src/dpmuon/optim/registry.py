@@ -2,7 +2,9 @@
 
 A builder receives the named trainable parameters, its config section, which parameters are
 hidden-layer matrices (and their storage layout), and the public per-entry noise std of the
-released gradient of each parameter (0 for a non-private run).
+released gradient of each parameter (0 for a non-private run). Defaults live only in
+conf/optimizer/*.yaml: `build_optimizer` completes a partial section from there, and builders
+read every key without a fallback of their own.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from ..config.roster import kind_defaults
 from .hybrid import HybridOptimizer
 from .muon import Muon
 
@@ -24,8 +27,7 @@ class OptimizerInputs:
     generator: torch.Generator | None = None
 
 
-OptimizerLike = torch.optim.Optimizer | HybridOptimizer
-Builder = Callable[[OptimizerInputs, Mapping], OptimizerLike]
+Builder = Callable[[OptimizerInputs, Mapping], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, Builder] = {}
 
 
@@ -39,10 +41,20 @@ def register_optimizer(name: str):
     return decorator
 
 
-def build_optimizer(name: str, inputs: OptimizerInputs, cfg: Mapping) -> OptimizerLike:
+def build_optimizer(name: str, inputs: OptimizerInputs, cfg: Mapping) -> torch.optim.Optimizer:
+    """Build optimizer kind `name`; keys `cfg` leaves out take conf/optimizer/'s values."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(sorted(OPTIMIZERS))}")
-    return OPTIMIZERS[name](inputs, cfg)
+    return OPTIMIZERS[name](inputs, _completed(kind_defaults(name), cfg))
+
+
+def _completed(defaults: dict, given: Mapping) -> dict:
+    """`given` over `defaults`, section by section (a partial `adam:` keeps the other keys)."""
+    out = dict(defaults)
+    for key, value in given.items():
+        nested = isinstance(value, Mapping) and isinstance(out.get(key), dict)
+        out[key] = _completed(out[key], value) if nested else value
+    return out
 
 
 def _adamw(params, cfg: Mapping) -> torch.optim.AdamW | None:
@@ -52,51 +64,55 @@ def _adamw(params, cfg: Mapping) -> torch.optim.AdamW | None:
     return torch.optim.AdamW(
         params,
         lr=float(cfg["lr"]),
-        betas=tuple(float(b) for b in cfg.get("betas", (0.9, 0.999))),
-        eps=float(cfg.get("eps", 1e-8)),
-        weight_decay=float(cfg.get("weight_decay", 0.0)),
+        betas=tuple(float(b) for b in cfg["betas"]),
+        eps=float(cfg["eps"]),
+        weight_decay=float(cfg["weight_decay"]),
     )
 
 
 @register_optimizer("sgd")
-def build_sgd(inputs: OptimizerInputs, cfg: Mapping) -> OptimizerLike:
+def build_sgd(inputs: OptimizerInputs, cfg: Mapping) -> torch.optim.Optimizer:
     return torch.optim.SGD(
         list(inputs.params.values()),
         lr=float(cfg["lr"]),
-        momentum=float(cfg.get("momentum", 0.0)),
-        nesterov=bool(cfg.get("nesterov", False)),
-        weight_decay=float(cfg.get("weight_decay", 0.0)),
+        momentum=float(cfg["momentum"]),
+        nesterov=bool(cfg["nesterov"]),
+        weight_decay=float(cfg["weight_decay"]),
     )
 
 
 @register_optimizer("adam")
-def build_adam(inputs: OptimizerInputs, cfg: Mapping) -> OptimizerLike:
+def build_adam(inputs: OptimizerInputs, cfg: Mapping) -> torch.optim.Optimizer:
     return _adamw(inputs.params.values(), cfg)
 
 
-def _build_muon(inputs: OptimizerInputs, cfg: Mapping, bias_correction: bool) -> OptimizerLike:
+def _build_muon(inputs: OptimizerInputs, cfg: Mapping, bias_correction: bool) -> torch.optim.Optimizer:
     matrices = {n: p for n, p in inputs.params.items() if n in inputs.hidden_matrices}
     others = [p for n, p in inputs.params.items() if n not in inputs.hidden_matrices]
     if not matrices:
         raise ValueError("Muon found no hidden-layer matrices among the trainable parameters")
-    bc = cfg.get("bias_correction", {}) or {}
-    ns_dtype = cfg.get("ns_dtype")
+    correction = {}
+    if bias_correction:  # plain Muon's YAML has no bias_correction section
+        bc = cfg["bias_correction"]
+        correction = dict(
+            probe_scale=float(bc["probe_scale"]),
+            num_probes=int(bc["num_probes"]),
+            min_snr=None if bc["min_snr"] is None else float(bc["min_snr"]),
+        )
     muon = Muon(
         list(matrices.values()),
         lr=float(cfg["lr"]),
-        momentum=float(cfg.get("momentum", 0.95)),
-        momentum_kind=str(cfg.get("momentum_kind", "heavy_ball")),
-        nesterov=bool(cfg.get("nesterov", False)),
-        ns_steps=int(cfg.get("ns_steps", 5)),
-        ns_coefficients=cfg.get("ns_coefficients", "quintic"),
-        ns_normalize=str(cfg.get("ns_normalize", "frobenius")),
-        ns_dtype=getattr(torch, ns_dtype) if ns_dtype else None,
-        update_scale=str(cfg.get("update_scale", "adam_rms")),
-        weight_decay=float(cfg.get("weight_decay", 0.0)),
+        momentum=float(cfg["momentum"]),
+        momentum_kind=str(cfg["momentum_kind"]),
+        nesterov=bool(cfg["nesterov"]),
+        ns_steps=int(cfg["ns_steps"]),
+        ns_coefficients=cfg["ns_coefficients"],
+        ns_normalize=str(cfg["ns_normalize"]),
+        ns_dtype=getattr(torch, cfg["ns_dtype"]) if cfg["ns_dtype"] else None,
+        update_scale=str(cfg["update_scale"]),
+        weight_decay=float(cfg["weight_decay"]),
         bias_correction=bias_correction,
-        probe_scale=float(bc.get("probe_scale", 1.0)),
-        num_probes=int(bc.get("num_probes", 1)),
-        min_snr=None if bc.get("min_snr") is None else float(bc["min_snr"]),
+        **correction,
         release_noise_std={p: inputs.release_noise_std.get(n, 0.0) for n, p in matrices.items()},
         layouts={p: inputs.hidden_matrices[n] for n, p in matrices.items()},
         generator=inputs.generator,
@@ -105,10 +121,10 @@ def _build_muon(inputs: OptimizerInputs, cfg: Mapping, bias_correction: bool) ->
 
 
 @register_optimizer("muon")
-def build_muon(inputs: OptimizerInputs, cfg: Mapping) -> OptimizerLike:
+def build_muon(inputs: OptimizerInputs, cfg: Mapping) -> torch.optim.Optimizer:
     return _build_muon(inputs, cfg, bias_correction=False)
 
 
 @register_optimizer("muonbc")
-def build_muonbc(inputs: OptimizerInputs, cfg: Mapping) -> OptimizerLike:
+def build_muonbc(inputs: OptimizerInputs, cfg: Mapping) -> torch.optim.Optimizer:
     return _build_muon(inputs, cfg, bias_correction=True)

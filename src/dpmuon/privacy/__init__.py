@@ -13,7 +13,9 @@ from .clipping import clip_factors, per_example_block_norms
 from .distributed import DataParallel, init_data_parallel
 from .engines import ENGINES, build_engine
 from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
-from .privatizer import NonFiniteReleaseError, NonPrivateRelease, Privatizer, ReleaseStats
+from .ledger import LEDGER_FILE, LedgerMismatchError, PrivacyLedger, release_digest
+from .privatizer import NonFiniteReleaseError, NonPrivateRelease, Privatizer, ReleaseStats, ReplayMismatchError
+from .randomness import MechanismRandomness
 from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler
 
 __all__ = [
@@ -23,12 +25,17 @@ __all__ = [
     "DataParallel",
     "ENGINES",
     "GaussianNoise",
+    "LEDGER_FILE",
+    "LedgerMismatchError",
+    "MechanismRandomness",
     "NonFiniteReleaseError",
     "NonPrivateRelease",
     "PoissonLotSampler",
     "PrivacyAccountant",
+    "PrivacyLedger",
     "Privatizer",
     "ReleaseStats",
+    "ReplayMismatchError",
     "ShuffleLotSampler",
     "block_noise_stds",
     "build_engine",
@@ -41,4 +48,5 @@ __all__ = [
     "init_data_parallel",
     "per_example_block_norms",
     "plan_steps",
+    "release_digest",
 ]

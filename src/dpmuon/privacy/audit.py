@@ -2,20 +2,33 @@
 
 Method — "one run" auditing (Steinke, Nasr & Jagielski, "Privacy Auditing with One (1)
 Training Run", NeurIPS 2023, arXiv:2305.08846): m canaries are each put into the training set
-independently with probability 1/2; after training, an auditor who sees only the trained model
-guesses "in" for the canaries with the highest scores, "out" for those with the lowest, and
-abstains on the rest. If the training run is (ε, δ)-DP with respect to adding or removing one
-canary, the number of correct guesses is (up to a δ term) stochastically dominated by the
-number of correct guesses against ε-randomized response, Binomial(r, e^ε / (1 + e^ε)). Many
-correct guesses therefore refute (ε, δ)-DP for every ε below some value: that value, at
-confidence 1 − β, is the empirical lower bound.
+independently with probability 1/2; after training, an auditor guesses "in" for the canaries
+with the highest scores (and, where that carries evidence, "out" for the lowest) and abstains
+on the rest. If the training run is (ε, δ)-DP with respect to adding or removing one canary,
+the number of correct guesses is (up to a δ term) stochastically dominated by the number of
+correct guesses against ε-randomized response, Binomial(r, e^ε / (1 + e^ε)). Many correct
+guesses therefore refute (ε, δ)-DP for every ε below some value: that value, at confidence
+1 − β, is the empirical lower bound.
 
-Setting — the white-box linear model of the auditing literature, run through our mechanism
-end to end (PoissonLotSampler → Privatizer.release → SGD on p.grad): a bias-free linear model
-whose input has one coordinate per canary ("Dirac canaries"). Canary j's gradient lives only
-in its own coordinate and is far larger than the clip norm C, so every time it is sampled the
-release adds exactly C there; ordinary training points live in the other coordinates and never
-touch a canary's.
+Setting — white-box canaries run through our mechanism end to end: the training loop's lot
+sampler (`build_lot_sampler`, as the loop calls it) → Privatizer.release → SGD on p.grad.
+
+- Dirac canaries (`model="dirac"`): K one-column embedding tables, each its own block; canary j
+  owns row j of every table, so its gradient touches all K blocks and nothing else does.
+  Cheap enough for 10⁵ canaries, which is what the power to catch a noise ÷ 2 break takes.
+- GPT-2 canaries (`model="gpt2"`): a tiny GPT-2, every tensor its own block; canary j is a
+  sequence of a token nobody else uses, so its token-embedding row is its alone. A sanity
+  scenario for the fast engine on transformer layers; too few canaries for subtle breaks.
+
+An excluded canary's slot stays in the data set as a blank (zero gradient): the release is
+then exactly that of the data set without the canary, while the data-set size N — and with it
+q = L/N, which the loop's sampler derives from N — stays public and the same in every run.
+
+The auditor sees every released gradient (the object the DP guarantee covers) and the model,
+so it knows each canary's clipped gradient c at each step. Its score is the log-likelihood
+ratio "in" vs "out" of the releases along c: per step, the canary was sampled with probability
+q if in, and the release along c is 1 + noise if sampled, noise otherwise — the Neyman–Pearson
+test for one canary. Validity never depends on the score; only power does.
 """
 
 from __future__ import annotations
@@ -23,26 +36,40 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy import stats
 from scipy.special import expit
 from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from .accountant import PrivacyAccountant, calibrate_noise_multiplier
-from .blocks import build_partition
+from .blocks import BlockPartition, build_partition
 from .noise import GaussianNoise
 from .privatizer import Privatizer
-from .sampling import PoissonLotSampler
+from .sampling import PoissonLotSampler, build_lot_sampler
 
-BREAKS = ("none", "noise", "clip")
-METHOD = "one-run audit (Steinke, Nasr & Jagielski 2023, (ε, δ) bound), white-box Dirac canaries"
-# Release noise divided by this factor in the `noise` break (the accountant is still told σ).
-NOISE_BREAK_FACTOR = 10.0
-# The `clip` break's threshold, as a multiple of the canary gradient norm: never reached.
-UNCLIPPED_HEADROOM = 1e3
+METHOD = "one-run audit (Steinke, Nasr & Jagielski 2023, (ε, δ) bound), white-box canaries, likelihood-ratio score over all releases"
+# Each break is a deliberately wrong mechanism whose accountant is still told the calibrated σ,
+# so it claims the same ε as the correct one.
+BREAKS = ("none", "tenth_noise", "half_noise", "per_block_noise", "no_clip")
+BREAK_LABELS = {
+    "none": "correct",
+    "tenth_noise": "broken: noise ÷ 10",
+    "half_noise": "broken: noise ÷ 2",
+    "per_block_noise": "broken: noise per block (÷ √K)",
+    "no_clip": "broken: clipping off",
+}
+NOISE_DIVISORS = {"tenth_noise": 10.0, "half_noise": 2.0}
+# The no_clip break's threshold as a multiple of C: far above any gradient the audit's models
+# produce (Dirac canaries have norm 100 C; the tiny GPT-2's gradients are O(1) with C = 0.01).
+UNCLIPPED_HEADROOM = 1e6
+
+
+# --- the bound -------------------------------------------------------------------------------
 
 
 # --- the bound -------------------------------------------------------------------------------
@@ -108,17 +135,20 @@ def one_run_epsilon_lower_bound(
     return lo
 
 
-def membership_guesses(scores: np.ndarray, guesses: int) -> np.ndarray:
-    """+1 ("in") for the ⌈r/2⌉ highest scores, −1 ("out") for the ⌊r/2⌋ lowest, 0 elsewhere.
+def membership_guesses(scores: np.ndarray, guesses: int, tails: str = "both") -> np.ndarray:
+    """+1 ("in") for the highest scores, −1 ("out") for the lowest, 0 (abstain) elsewhere.
 
-    Both tails carry evidence: a high score that of the canary's clipped gradient, a low one
-    that of its absence (pure noise); guessing on both sides makes more sure guesses than
-    guessing deep into one tail.
+    both: ⌈r/2⌉ "in", ⌊r/2⌋ "out" — for scores whose low tail is evidence of absence (a canary
+    in every lot: its absence shows as pure noise). upper: all r guesses "in" — for Poisson-
+    subsampled canaries, whose low scores mean "never sampled", which an included canary also
+    is with probability (1 − q)^T: "out" guesses there are barely better than chance.
     """
     if not 0 <= guesses <= len(scores):
         raise ValueError(f"cannot make {guesses} guesses about {len(scores)} canaries")
+    if tails not in ("both", "upper"):
+        raise ValueError(f"tails must be 'both' or 'upper', got {tails!r}")
     order = np.argsort(scores, kind="stable")
-    n_in = (guesses + 1) // 2
+    n_in = guesses if tails == "upper" else (guesses + 1) // 2
     n_out = guesses - n_in
     verdicts = np.zeros(len(scores), dtype=np.int8)
     verdicts[order[len(scores) - n_in :]] = 1
@@ -156,7 +186,7 @@ def per_test_confidence(confidence: float, tests: int) -> float:
 
 
 def one_run_audit(
-    scores: np.ndarray, included: np.ndarray, delta: float, confidence: float, fractions: tuple[float, ...]
+    scores: np.ndarray, included: np.ndarray, delta: float, confidence: float, fractions: tuple[float, ...], tails: str = "both"
 ) -> OneRunBound:
     """Guess at every pre-declared count, bound each at level β/K, report the largest.
 
@@ -168,7 +198,7 @@ def one_run_audit(
     level = per_test_confidence(confidence, len(counts))
     bounds = []
     for r in counts:
-        correct, made = count_correct(membership_guesses(scores, r), included)
+        correct, made = count_correct(membership_guesses(scores, r, tails), included)
         epsilon = one_run_epsilon_lower_bound(canaries, made, correct, delta, level)
         bounds.append(OneRunBound(epsilon, confidence, canaries, made, correct, len(counts)))
     return max(bounds, key=lambda bound: bound.epsilon)
@@ -182,6 +212,21 @@ def audit_ceiling(canaries: int, delta: float, confidence: float, fractions: tup
     return max(one_run_epsilon_lower_bound(canaries, r, r, delta, level) for r in counts)
 
 
+# --- the auditor's score ---------------------------------------------------------------------
+
+
+def sampled_release_log_likelihood_ratio(projection: np.ndarray, snr: np.ndarray | float, sample_rate: float) -> np.ndarray:
+    """log P[release | canary in] − log P[release | canary out], for one release, per canary.
+
+    projection = ⟨x, c⟩ / ‖c‖², the released sum x along the canary's clipped gradient c: it is
+    s + N(0, 1/snr²) with snr = ‖c‖ / (noise std), where s = 1 if the canary was in the lot —
+    with probability q when it is in the data set, never when it is not. So the ratio is
+    (1 − q) + q · exp(snr² · (projection − 1/2)).
+    """
+    log_absent = math.log1p(-sample_rate) if sample_rate < 1 else -math.inf
+    return np.logaddexp(log_absent, math.log(sample_rate) + np.square(snr) * (projection - 0.5))
+
+
 # --- the audited training run ----------------------------------------------------------------
 
 
@@ -189,64 +234,227 @@ def audit_ceiling(canaries: int, delta: float, confidence: float, fractions: tup
 class AuditSetup:
     """Everything that fixes one audit; all of it is public (none depends on which canaries are in)."""
 
+    name: str
     canaries: int
     ordinary: int  # non-canary training points
-    ordinary_dim: int  # input coordinates they live in
-    expected_lot_size: float
+    expected_lot_size: int
     steps: int
     epsilon: float  # the claim: σ is calibrated to (ε, δ) for q and steps
     delta: float
+    model: str = "dirac"  # "dirac" or "gpt2"
+    blocks: int = 1  # dirac: the number of tables, each a block (gpt2: one block per tensor)
+    ordinary_rows: int = 32  # the rows (dirac) or tokens (gpt2) the ordinary points share
     clip_norm: float = 0.1
-    canary_norm: float = 10.0  # ‖canary gradient‖, ≫ clip_norm
+    canary_norm: float = 10.0  # dirac: ‖canary gradient‖ in each block, ≫ every C_W
     lr: float = 1.0
     accountant: str = "prv"
-    engine: str = "opacus"
+    engine: str = "fast"
     confidence: float = 0.95
-    guess_fractions: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.5, 0.9)
-    micro_batch_size: int = 512
+    guess_fractions: tuple[float, ...] = (0.02,)
+    tails: str = "upper"
+    # The score's likelihood ratio assumes noise σ / divisor: by Neyman–Pearson the most
+    # powerful test against a mechanism with that much less noise than claimed (2: the
+    # moderate breaks this audit is meant to catch). It is an assumption of the score only.
+    score_noise_divisor: float = 2.0
+    micro_batch_size: int = 4096
+    breaks: tuple[str, ...] = BREAKS
     seed: int = 0
 
     def __post_init__(self):
-        if self.canary_norm <= self.clip_norm:
-            raise ValueError(f"canary norm {self.canary_norm} must exceed the clip norm {self.clip_norm}")
+        if self.model not in WORLDS:
+            raise ValueError(f"unknown canary model {self.model!r}; valid: {', '.join(WORLDS)}")
+        unknown = [b for b in self.breaks if b not in BREAKS]
+        if unknown:
+            raise ValueError(f"unknown break(s) {unknown}; valid: {', '.join(BREAKS)}")
 
     @property
-    def nominal_size(self) -> float:
-        """Expected training-set size (every canary in with probability 1/2). The sample rate is
-        fixed from it, not from the realized size, which depends on the canaries."""
-        return self.ordinary + self.canaries / 2
+    def dataset_size(self) -> int:
+        """N: ordinary points plus one slot per canary (a blank when it is out)."""
+        return self.ordinary + self.canaries
 
     @property
     def sample_rate(self) -> float:
-        return self.expected_lot_size / self.nominal_size
-
-    @property
-    def input_dim(self) -> int:
-        return self.ordinary_dim + self.canaries
+        """q = L/N, exactly as the training loop's sampler derives it."""
+        return self.expected_lot_size / self.dataset_size
 
 
-# Each mode is a list of scenarios; every scenario audits the correct mechanism and both breaks.
-# A one-run audit can refute a claim only up to its ceiling (roughly log of the number of
-# guesses, lowered by the 2mδ term): ~1000 canaries reach ε ≈ 5, so the demonstration claims
-# ε = 2. Refuting ε = 8 at δ = 1e-5 needs ~20000 canaries, a single pre-declared guess count
-# (a Bonferroni split would cost more than the margin) and every one of 18000 guesses right —
-# the ceiling there is 8.09; the 2mδ term keeps it below ~8.15 however many canaries are used.
+class CanaryWorld(Protocol):
+    """A model, its training set with canary slots, and the auditor's view of each release."""
+
+    model: nn.Module
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def loss(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor: ...
+
+    def partition(self, clip_norm: float) -> BlockPartition: ...
+
+    def canary_projections(self, claimed: BlockPartition, expected_lot_size: float) -> tuple[np.ndarray, np.ndarray]:
+        """(⟨x, c_j⟩ / ‖c_j‖², ‖c_j‖) per canary j, for the release x = L · p.grad now on the
+        model and c_j the canary's gradient clipped to the claimed thresholds."""
+        ...
+
+
+class DiracTables(nn.Module):
+    """K one-column embedding tables; the output for row r is Σ_W E_W[r]."""
+
+    def __init__(self, rows: int, blocks: int):
+        super().__init__()
+        self.tables = nn.ModuleList(nn.Embedding(rows, 1) for _ in range(blocks))
+        for table in self.tables:
+            nn.init.zeros_(table.weight)
+
+    def forward(self, row: torch.Tensor) -> torch.Tensor:
+        return sum(table(row).squeeze(-1) for table in self.tables)
+
+
+class DiracCanaries:
+    """Canary slot j reads row j of every table; ordinary point i reads a shared row m + (i mod R).
+
+    Per-example loss −a_i · Σ_W E_W[row_i]. Linear on purpose: example i's gradient is −a_i in
+    its row of each table whatever the weights, so a canary (a = canary_norm ≫ C_W) adds exactly
+    −C_W in its row of block W every time it is sampled. A curved loss would shrink the canary
+    gradient once the model fits it — below C_W at some step the trajectory decides. An excluded
+    canary's slot has a = 0 (a blank); ordinary points have a ~ N(0, 1), mostly ≫ C_W: clipped,
+    like most examples in DP fine-tuning.
+    """
+
+    def __init__(self, setup: AuditSetup, included: np.ndarray, generator: torch.Generator):
+        m = setup.canaries
+        self.canaries = m
+        self.model = DiracTables(m + setup.ordinary_rows, setup.blocks)
+        self.rows = torch.cat([torch.arange(m), m + torch.arange(setup.ordinary) % setup.ordinary_rows])
+        slots = setup.canary_norm * torch.from_numpy(included).float()
+        self.coefficients = torch.cat([slots, torch.randn(setup.ordinary, generator=generator)])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"row": self.rows[indices], "coefficient": self.coefficients[indices]}
+
+    def loss(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        return -batch["coefficient"] * model(batch["row"])
+
+    def partition(self, clip_norm: float) -> BlockPartition:
+        """Every table a block, C_W = C/√K (the `split` rule): Δ = C."""
+        names = [name for name, _ in self.model.named_parameters()]
+        return build_partition(names, "per_matrix", clip_norm, "split", matrix_names=names)
+
+    def canary_projections(self, claimed: BlockPartition, expected_lot_size: float) -> tuple[np.ndarray, np.ndarray]:
+        # c_j is −C_W at row j of table W, so ‖c_j‖ = Δ and ⟨x, c_j⟩ = −Σ_W C_W x_W[j].
+        along = sum(
+            block.threshold * table.weight.grad[: self.canaries, 0].double()
+            for block, table in zip(claimed.blocks, self.model.tables)
+        )
+        sensitivity = claimed.sensitivity
+        projection = (-expected_lot_size / sensitivity**2 * along).numpy()
+        return projection, np.full(self.canaries, sensitivity)
+
+
+class GPT2Canaries:
+    """A tiny GPT-2 (2 layers, width 16, head untied, dropout off); every tensor is its own block
+    with the `by_size` thresholds, so the token embedding's C_W is a large share of Δ.
+
+    Canary j is the two-token sequence (j, j); ordinary points are pairs of R other tokens. Only
+    canary j reads token j, so its embedding row's gradient is canary j's alone (the untied
+    head keeps every other example's logit gradients out of that row). The per-example loss is
+    the next-token NLL, ×0 in an excluded canary's slot (a blank).
+    """
+
+    width, layers, heads = 16, 2, 2
+    embedding = "transformer.wte.weight"
+
+    def __init__(self, setup: AuditSetup, included: np.ndarray, generator: torch.Generator):
+        m = setup.canaries
+        self.canaries = m
+        config = GPT2Config(
+            vocab_size=m + setup.ordinary_rows, n_positions=2, n_embd=self.width, n_layer=self.layers, n_head=self.heads,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        )
+        with torch.random.fork_rng():  # transformers initializes from the global generator
+            torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
+            self.model = GPT2LMHeadModel(config)
+        canary_tokens = torch.arange(m).unsqueeze(1).expand(m, 2)
+        ordinary_tokens = m + torch.randint(setup.ordinary_rows, (setup.ordinary, 2), generator=generator)
+        self.tokens = torch.cat([canary_tokens, ordinary_tokens])
+        self.weights = torch.cat([torch.from_numpy(included).float(), torch.ones(setup.ordinary)])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[indices], "weight": self.weights[indices]}
+
+    def loss(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        return batch["weight"] * self._next_token_nll(model, batch["input_ids"], model.transformer.wte(batch["input_ids"]))
+
+    @staticmethod
+    def _next_token_nll(model: nn.Module, tokens: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        # Batch-shaped position ids: the fast engine needs every hooked tensor batch-first.
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        logits = model(inputs_embeds=embeddings, position_ids=positions).logits
+        return F.cross_entropy(logits[:, 0], tokens[:, 1], reduction="none")
+
+    def partition(self, clip_norm: float) -> BlockPartition:
+        sizes = {name: p.numel() for name, p in self.model.named_parameters()}
+        return build_partition(list(sizes), "per_matrix", clip_norm, "by_size", other_blocks="per_tensor", sizes=sizes)
+
+    def canary_gradients(self) -> torch.Tensor:
+        """[m, width] each canary's gradient on its embedding row at the current weights — all
+        of its token-embedding gradient — recomputed white-box, for every canary in or out."""
+        tokens = self.tokens[: self.canaries]
+        embeddings = self.model.transformer.wte(tokens).detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(self._next_token_nll(self.model, tokens, embeddings).sum(), embeddings)
+        return grad.sum(1)  # both positions read the same row
+
+    def canary_projections(self, claimed: BlockPartition, expected_lot_size: float) -> tuple[np.ndarray, np.ndarray]:
+        threshold = claimed.blocks[claimed.block_index()[self.embedding]].threshold
+        grads = self.canary_gradients().double()
+        clipped = grads * (threshold / grads.norm(dim=1, keepdim=True)).clamp(max=1.0)
+        released = expected_lot_size * self.model.transformer.wte.weight.grad[: self.canaries].double()
+        norms = clipped.norm(dim=1)
+        return ((released * clipped).sum(1) / norms.square()).numpy(), norms.numpy()
+
+
+WORLDS = {"dirac": DiracCanaries, "gpt2": GPT2Canaries}
+
+
+# One-run audits refute a claim only up to a ceiling: every guess right refutes ε ≈ log(r/3),
+# but the δ term 2mδ·(…) grows with the m canaries, so the ceiling at a guessed fraction f of
+# them levels off near log(fβ/δ) however large m is (4.3 at f = 0.02, 4.6 at 0.03; 8.1 at
+# f = 0.9). A Gaussian mechanism's guesses are accurate only deep in the tail, so power against
+# noise ÷ 2 needs a small f of many canaries and a score that uses every release; small q with
+# many steps (each canary sampled qT = 1 times on average) beats fewer, larger steps at the same
+# ε. Idealized simulation at ε = 2, 10⁵ canaries, f = 0.03, q = 0.002, 500 steps: the correct
+# mechanism's bound ~0.3, noise ÷ √3 (the per-block break with K = 3) ~3.2, noise ÷ 2 ~4.4
+# (ceiling 4.6); one full-batch step (q = 1) reaches only ~2.2–2.6 for noise ÷ 2. The claim ε = 8 needs
+# nearly every canary guessed (f = 0.9, both tails), which only gross breaks allow.
+def _dirac(
+    name: str, canaries: int, sample_rate: float, steps: int, fraction: float, ordinary: int = 1000, epsilon: float = 2.0, **options
+) -> AuditSetup:
+    """A Dirac scenario at δ = 1e-5 with L = qN rounded, guessing about `fraction` of the canaries."""
+    lot = round(sample_rate * (canaries + ordinary))
+    return AuditSetup(name, canaries, ordinary, lot, steps, epsilon, 1e-5, guess_fractions=(fraction,), **options)
+
+
 MODES: dict[str, tuple[AuditSetup, ...]] = {
-    "fast": (
-        AuditSetup(canaries=1000, ordinary=500, ordinary_dim=16, expected_lot_size=100.0, steps=100, epsilon=2.0, delta=1e-5),
+    "quick": (
+        _dirac("dirac-fast", 30_000, 0.005, 200, 0.02, blocks=3),
+        _dirac("dirac-opacus", 2000, 0.01, 100, 0.2, ordinary=500, blocks=2, engine="opacus", breaks=("none", "tenth_noise", "no_clip")),
     ),
     "full": (
-        AuditSetup(canaries=5000, ordinary=1000, ordinary_dim=32, expected_lot_size=350.0, steps=200, epsilon=2.0, delta=1e-5),
+        *(_dirac("dirac-fast", 100_000, 0.002, 500, 0.03, blocks=3, seed=seed) for seed in range(5)),
+        _dirac("dirac-opacus", 30_000, 0.005, 200, 0.02, blocks=3, engine="opacus", micro_batch_size=512),
+        _dirac(
+            "dirac-opacus-eps8", 20_000, 0.5, 30, 0.9, ordinary=500, epsilon=8.0, engine="opacus", tails="both",
+            micro_batch_size=1024, breaks=("none", "tenth_noise", "no_clip"),
+        ),
         AuditSetup(
-            canaries=20000,
-            ordinary=500,
-            ordinary_dim=32,
-            expected_lot_size=5250.0,  # q = 0.5: 30 steps put nearly every included canary in ≥ 5 lots
-            steps=30,
-            epsilon=8.0,
-            delta=1e-5,
-            guess_fractions=(0.9,),
-            micro_batch_size=1024,
+            "gpt2-fast", canaries=2000, ordinary=1000, expected_lot_size=30, steps=100, epsilon=2.0, delta=1e-5, model="gpt2",
+            clip_norm=0.01, guess_fractions=(0.2,), micro_batch_size=256, breaks=("none", "tenth_noise", "no_clip"),
         ),
     ),
 }
@@ -264,63 +472,43 @@ class ScaledGaussianNoise(GaussianNoise):
         return self.scale * super().standard_normal(shape, device, dtype)
 
 
-class CanaryData:
-    """Ordinary points in the first `ordinary_dim` input coordinates; canary j, when included,
-    is the input canary_norm · e_(ordinary_dim + j), alone in its coordinate."""
-
-    def __init__(self, setup: AuditSetup, included: np.ndarray, generator: torch.Generator):
-        # ‖x‖ ≈ 1 ≫ C: ordinary points are clipped too, like most examples in DP fine-tuning.
-        self.ordinary = torch.randn(setup.ordinary, setup.ordinary_dim, generator=generator) / math.sqrt(setup.ordinary_dim)
-        self.members = torch.from_numpy(np.flatnonzero(included))
-        self.setup = setup
-
-    def __len__(self) -> int:
-        return len(self.ordinary) + len(self.members)
-
-    def batch(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Inputs for dataset positions `indices` (ordinary points first, then included canaries)."""
-        setup = self.setup
-        x = torch.zeros(len(indices), setup.input_dim)
-        is_ordinary = indices < len(self.ordinary)
-        x[is_ordinary, : setup.ordinary_dim] = self.ordinary[indices[is_ordinary]]
-        canary_rows = torch.nonzero(~is_ordinary).squeeze(1)
-        canary_ids = self.members[indices[~is_ordinary] - len(self.ordinary)]
-        x[canary_rows, setup.ordinary_dim + canary_ids] = setup.canary_norm
-        return {"x": x}
+def per_block_stds(partition: BlockPartition, noise_multiplier: float) -> list[float]:
+    """The per-block miscalibration: std_W = σ·C_W, as if each block were a mechanism of its own
+    with sensitivity C_W and the whole budget — short of the joint σ·Δ by Δ/C_W (√K for equal
+    thresholds), since one example moves all K blocks at once."""
+    return [noise_multiplier * block.threshold for block in partition.blocks]
 
 
-def linear_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """Per-example loss −⟨w, x⟩.
+def break_settings(breakage: str, partition: BlockPartition) -> tuple[float, float]:
+    """(threshold multiplier, noise scale) that turn the correct privatizer into the break.
 
-    Linear on purpose: its gradient −x does not depend on w, so a canary's gradient is the same
-    at every step and, being longer than C, is clipped to exactly C in its own coordinate each
-    time it is sampled. A curved loss (logistic, squared) would shrink the canary gradient once
-    the model fits it — below C at some step the trajectory decides — and weaken the audit.
+    The noise scale multiplies the N(0, 1) draws, so the release std is scale · σ·Δ while the
+    privatizer (and the accountant) still work with σ. no_clip raises every threshold far above
+    any gradient and scales the noise down by the same factor: still σ·C, calibrated to the
+    claimed sensitivity, but the canaries' contributions are no longer bounded by it.
     """
-    return -model(batch["x"]).squeeze(-1)
+    if breakage == "none":
+        return 1.0, 1.0
+    if breakage in NOISE_DIVISORS:
+        return 1.0, 1 / NOISE_DIVISORS[breakage]
+    if breakage == "per_block_noise":
+        # std σ·C_W where the privatizer draws σ·Δ: a noise scale C_W/Δ, one number for all blocks
+        # only if their thresholds are equal.
+        scales = {std / partition.sensitivity for std in per_block_stds(partition, 1.0)}
+        if len(scales) != 1:
+            raise ValueError("the per-block break is realized by one noise scale: it needs equal block thresholds")
+        return 1.0, scales.pop()
+    if breakage == "no_clip":
+        return UNCLIPPED_HEADROOM, 1 / UNCLIPPED_HEADROOM
+    raise ValueError(f"unknown break {breakage!r}; valid: {', '.join(BREAKS)}")
 
 
-def build_mechanism(model: nn.Module, setup: AuditSetup, noise_multiplier: float, breakage: str, generator: torch.Generator) -> Privatizer:
-    """The privatizer under audit; `breakage` picks a deliberately broken variant.
-
-    noise: the release draws noise 10× smaller than the block stds say, while the accountant
-    is still told σ — it claims the calibrated ε.
-    clip: the threshold sits far above the canary norm (no clipping), while the noise stays
-    σ·C, calibrated to the claimed sensitivity C: the noise source is scaled down by exactly
-    the factor the privatizer scaled the std up by.
-    """
-    if breakage not in BREAKS:
-        raise ValueError(f"unknown break {breakage!r}; valid: {', '.join(BREAKS)}")
-    threshold, noise_scale = setup.clip_norm, 1.0
-    if breakage == "noise":
-        noise_scale = 1 / NOISE_BREAK_FACTOR
-    elif breakage == "clip":
-        threshold = setup.canary_norm * UNCLIPPED_HEADROOM
-        noise_scale = setup.clip_norm / threshold
-    names = [name for name, _ in model.named_parameters()]
+def build_mechanism(world: CanaryWorld, setup: AuditSetup, noise_multiplier: float, breakage: str, generator: torch.Generator) -> Privatizer:
+    """The privatizer under audit; `breakage` picks a deliberately broken variant (BREAKS)."""
+    threshold_factor, noise_scale = break_settings(breakage, world.partition(setup.clip_norm))
     return Privatizer(
-        model=model,
-        partition=build_partition(names, clip_mode="flat", clip_norm=threshold),
+        model=world.model,
+        partition=world.partition(setup.clip_norm * threshold_factor),
         noise_multiplier=noise_multiplier,
         expected_lot_size=setup.expected_lot_size,
         sample_rate=setup.sample_rate,
@@ -328,6 +516,11 @@ def build_mechanism(model: nn.Module, setup: AuditSetup, noise_multiplier: float
         noise=ScaledGaussianNoise(noise_scale, generator),
         engine=setup.engine,
     )
+
+
+def build_sampler(world: CanaryWorld, setup: AuditSetup, generator: torch.Generator) -> PoissonLotSampler:
+    """The training loop's lot sampler, built by the loop's own call from N and L."""
+    return build_lot_sampler("poisson", len(world), setup.expected_lot_size, generator)
 
 
 @dataclass(frozen=True)
@@ -349,38 +542,42 @@ def draw_inclusion(canaries: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).random(canaries) < 0.5
 
 
-def _micro_batches(data: CanaryData, lot: list[int], size: int) -> Iterator[dict[str, torch.Tensor]]:
+def _micro_batches(world: CanaryWorld, lot: list[int], size: int) -> Iterator[dict[str, torch.Tensor]]:
     indices = torch.as_tensor(lot, dtype=torch.long)
     for start in range(0, len(indices), size):
-        yield data.batch(indices[start : start + size])
+        yield world.batch(indices[start : start + size])
 
 
 def train_and_score(setup: AuditSetup, included: np.ndarray, noise_multiplier: float, breakage: str, seeds: Seeds) -> tuple[np.ndarray, float]:
     """Train with the mechanism under audit; return (canary scores, the accountant's ε).
 
-    Score: canary j's final weight coordinate. Starting from w = 0 with plain SGD, it equals
-    −lr · Σ_t g̃_t[j]: the white-box statistic of Steinke et al.'s DP-SGD audit (the released
-    gradients summed along the canary direction over all steps), read off the final model.
+    Score: Σ over releases of the per-release log-likelihood ratio, computed from the claim
+    alone — σ (÷ score_noise_divisor), q and the claimed thresholds — never from the mechanism's
+    internals: the auditor tests what the accountant was told.
     """
-    data = CanaryData(setup, included, torch.Generator().manual_seed(seeds.data))
-    model = nn.Linear(setup.input_dim, 1, bias=False)
-    nn.init.zeros_(model.weight)
-    privatizer = build_mechanism(model, setup, noise_multiplier, breakage, torch.Generator().manual_seed(seeds.noise))
-    sampler = PoissonLotSampler(len(data), setup.sample_rate, torch.Generator().manual_seed(seeds.sampling))
-    optimizer = torch.optim.SGD(model.parameters(), lr=setup.lr)  # post-processing of g̃
+    world: CanaryWorld = WORLDS[setup.model](setup, included, torch.Generator().manual_seed(seeds.data))
+    claimed = world.partition(setup.clip_norm)
+    assumed_noise_std = noise_multiplier / setup.score_noise_divisor * claimed.sensitivity
+    privatizer = build_mechanism(world, setup, noise_multiplier, breakage, torch.Generator().manual_seed(seeds.noise))
+    sampler = build_sampler(world, setup, torch.Generator().manual_seed(seeds.sampling))
+    optimizer = torch.optim.SGD(world.model.parameters(), lr=setup.lr)  # post-processing of g̃
+    scores = np.zeros(setup.canaries)
     try:
         for _ in range(setup.steps):
-            privatizer.release(_micro_batches(data, sampler.next_lot(), setup.micro_batch_size), linear_loss)
+            privatizer.release(_micro_batches(world, sampler.next_lot(), setup.micro_batch_size), world.loss)
+            projection, norm = world.canary_projections(claimed, setup.expected_lot_size)
+            scores += sampled_release_log_likelihood_ratio(projection, norm / assumed_noise_std, setup.sample_rate)
             optimizer.step()
     finally:
         privatizer.close()
-    scores = model.weight.detach()[0, setup.ordinary_dim :].double().numpy()
     return scores, privatizer.epsilon()
 
 
 @dataclass(frozen=True)
 class AuditResult:
-    mechanism: str  # "correct" or the break
+    scenario: str
+    seed: int
+    mechanism: str  # "correct" or the break's label
     engine: str
     claimed_epsilon: float  # the accountant's ε after the run
     delta: float
@@ -413,9 +610,11 @@ def audit_mechanism(setup: AuditSetup, breakage: str, noise_multiplier: float | 
     seeds = Seeds.spawn(setup.seed)
     included = draw_inclusion(setup.canaries, seeds.inclusion)
     scores, claimed = train_and_score(setup, included, sigma, breakage, seeds)
-    bound = one_run_audit(scores, included, setup.delta, setup.confidence, setup.guess_fractions)
+    bound = one_run_audit(scores, included, setup.delta, setup.confidence, setup.guess_fractions, setup.tails)
     return AuditResult(
-        mechanism="correct" if breakage == "none" else f"broken: {breakage}",
+        scenario=setup.name,
+        seed=setup.seed,
+        mechanism=BREAK_LABELS[breakage],
         engine=setup.engine,
         claimed_epsilon=claimed,
         delta=setup.delta,
@@ -426,47 +625,65 @@ def audit_mechanism(setup: AuditSetup, breakage: str, noise_multiplier: float | 
     )
 
 
-def run_audits(setup: AuditSetup, breakages: tuple[str, ...] = BREAKS) -> list[AuditResult]:
-    """Audit each mechanism on the same canaries, seeds and calibrated σ (calibrated once)."""
+def run_audits(setup: AuditSetup, breakages: tuple[str, ...] | None = None) -> list[AuditResult]:
+    """Audit each mechanism (default: the scenario's) on the same canaries, seeds and σ."""
     sigma = calibrated_noise_multiplier(setup)
-    return [audit_mechanism(setup, breakage, sigma) for breakage in breakages]
+    return [audit_mechanism(setup, breakage, sigma) for breakage in (setup.breaks if breakages is None else breakages)]
 
 
 def expected_verdict(result: AuditResult) -> bool:
     """The correct mechanism must pass; a broken one must be caught wherever the design can."""
-    if result.mechanism == "correct":
+    if result.mechanism == BREAK_LABELS["none"]:
         return not result.detected
     return result.detected or result.ceiling <= result.claimed_epsilon
 
 
 def describe(setup: AuditSetup) -> str:
     counts = guess_counts(setup.canaries, setup.guess_fractions)
+    model = f"{setup.blocks} Dirac table(s)" if setup.model == "dirac" else "tiny GPT-2 (a block per tensor)"
+    guesses = (
+        f"guess counts {counts}, each tested at level β/{len(counts)} (Bonferroni)"
+        if len(counts) > 1
+        else f"one pre-declared guess count {counts[0]} ({setup.tails} tail{'s' if setup.tails == 'both' else ''})"
+    )
     return (
-        f"{setup.canaries} Dirac canaries (each in with prob. 1/2), {setup.ordinary} ordinary points, "
-        f"q = {setup.sample_rate:.3g}, {setup.steps} steps, C = {setup.clip_norm:g}, canary norm {setup.canary_norm:g}, "
-        f"engine {setup.engine}, seed {setup.seed}; claim ε = {setup.epsilon:g}, δ = {setup.delta:g}; "
-        + (f"guess counts {counts}, each tested at level β/{len(counts)} (Bonferroni)" if len(counts) > 1 else f"one pre-declared guess count {counts}")
+        f"{setup.name}: {setup.canaries} canaries (each in with prob. 1/2) + {setup.ordinary} ordinary points, {model}, "
+        f"engine {setup.engine}, N = {setup.dataset_size}, L = {setup.expected_lot_size} (q = {setup.sample_rate:.3g}), "
+        f"{setup.steps} steps, C = {setup.clip_norm:g}, seed {setup.seed}; claim ε = {setup.epsilon:g}, δ = {setup.delta:g}; "
+        f"score assumes noise σ/{setup.score_noise_divisor:g}; {guesses}"
     )
 
 
-def format_table(results: list[AuditResult]) -> str:
-    header = ("mechanism", "engine", "claimed ε", "δ", "σ", "ε lower bound", "confidence", "correct/guesses", "ceiling", "verdict")
-    rows = [
+TABLE_HEADER = ("scenario", "seed", "mechanism", "engine", "claimed ε", "σ", "ε lower bound", "correct/guesses", "ceiling", "verdict", "seconds")
+
+
+def table_rows(results: list[AuditResult]) -> list[tuple[str, ...]]:
+    return [
         (
+            r.scenario,
+            str(r.seed),
             r.mechanism,
             r.engine,
             f"{r.claimed_epsilon:.3f}",
-            f"{r.delta:.0e}",
             f"{r.noise_multiplier:.3f}",
             f"{r.bound.epsilon:.3f}",
-            f"{r.bound.confidence:.0%}",
             f"{r.bound.correct}/{r.bound.guesses}",
             f"{r.ceiling:.2f}",
             r.verdict,
+            f"{r.seconds:.0f}",
         )
         for r in results
     ]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    """Aligned plain text, for the terminal."""
+    widths = [max(len(row[i]) for row in [TABLE_HEADER, *rows]) for i in range(len(TABLE_HEADER))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [TABLE_HEADER, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_markdown(rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

@@ -11,13 +11,15 @@ from .blocks import BlockPartition
 
 
 def per_example_block_norms(partition: BlockPartition, squared_norms: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """[B, K] Frobenius norms of each example's gradient restricted to each block.
+    """[B, K] float64 Frobenius norms of each example's gradient restricted to each block.
 
-    squared_norms: parameter name → [B] per-example squared gradient norms (fp32).
+    squared_norms: parameter name → [B] per-example squared gradient norms (fp32 or fp64).
+    Summed in float64: a norm that comes out low lets the clipped contribution exceed C_W,
+    and the factors below keep that precision until they scale the fp32 sums.
     """
     columns = []
     for block in partition.blocks:
-        columns.append(torch.stack([squared_norms[name] for name in block.params]).sum(0))
+        columns.append(torch.stack([squared_norms[name].double() for name in block.params]).sum(0))
     return torch.stack(columns, dim=1).clamp_min(0).sqrt()
 
 

@@ -58,9 +58,10 @@ def launched_by_torchrun() -> bool:
 
 
 def init_data_parallel(device_type: str) -> DataParallel:
-    """Join the torchrun process group (NCCL on GPU, gloo on CPU); single process otherwise."""
+    """Join the torchrun process group (NCCL for GPU tensors, gloo for CPU ones); single process otherwise."""
     if not launched_by_torchrun():
         return SINGLE
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # On GPU, CPU-side collectives (stats, stop flags, broadcast lots) go through gloo.
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo")
     return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size())

@@ -13,6 +13,7 @@ import math
 import torch
 
 from .blocks import BlockPartition
+from .randomness import secure_standard_normal
 
 NOISE_ALLOCATIONS = ("uniform", "proportional")
 
@@ -37,7 +38,7 @@ def effective_noise_multiplier(partition: BlockPartition, stds: list[float]) -> 
 
 
 class GaussianNoise:
-    """Source of N(0, 1) draws: a seeded torch generator, or OS entropy for secure mode."""
+    """Source of N(0, 1) draws: a secretly seeded torch generator, or the OS CSPRNG in secure mode."""
 
     def __init__(self, generator: torch.Generator | None = None, secure: bool = False):
         self.secure = secure
@@ -46,22 +47,4 @@ class GaussianNoise:
     def standard_normal(self, shape: torch.Size, device: torch.device, dtype=torch.float32) -> torch.Tensor:
         if not self.secure:
             return torch.randn(shape, generator=self.generator, device=device, dtype=dtype)
-        return _secure_standard_normal(shape, device, dtype)
-
-
-def _secure_standard_normal(shape, device, dtype) -> torch.Tensor:
-    """N(0, 1) by Box–Muller on 53-bit uniforms from the OS CSPRNG (`secrets`).
-
-    No seed exists to recover, so the noise cannot be replayed — at the price of
-    reproducibility and speed.
-    """
-    import numpy as np
-    import secrets
-
-    n = math.prod(shape)
-    bits = np.frombuffer(secrets.token_bytes(16 * ((n + 1) // 2)), dtype=np.uint64).reshape(-1, 2)
-    u = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)  # (0, 1), never 0
-    radius = np.sqrt(-2.0 * np.log(u[:, 0]))
-    angle = 2.0 * np.pi * u[:, 1]
-    z = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:n]
-    return torch.from_numpy(z).to(device=device, dtype=dtype).reshape(shape)
+        return secure_standard_normal(shape, device, dtype)

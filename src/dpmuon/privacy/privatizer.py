@@ -1,8 +1,9 @@
 """The privatizer: the only code that touches private data.
 
 One step: (the caller samples a lot) → per-example gradients → per-block clipping → joint
-Gaussian noise → released gradient g̃_W = (Σ_i H_i,W + noise_W) / B_expected, written to p.grad
-→ one accountant step. Optimizers only ever read p.grad afterwards: post-processing.
+Gaussian noise → released gradient g̃_W = (Σ_i H_i,W + noise_W) / B_expected → one ledger line
+(durable) and one accountant step → written to p.grad. Optimizers only ever read p.grad
+afterwards: post-processing.
 """
 
 from __future__ import annotations
@@ -18,11 +19,21 @@ from .accountant import PrivacyAccountant
 from .blocks import BlockPartition
 from .distributed import SINGLE, DataParallel
 from .engines import PerExampleLoss, build_engine
+from .ledger import PrivacyLedger, release_digest
 from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
 
 
 class NonFiniteReleaseError(RuntimeError):
     """The released gradient is not finite: stop rather than corrupt the model."""
+
+
+class ReplayMismatchError(RuntimeError):
+    """A re-run step drew the same noise as its earlier release but produced another output.
+
+    Publishing it would reveal the noise-free difference of two clipped sums — no amount of
+    accounting covers that — so nothing is written; the caller must redo the step with fresh
+    randomness (a new lot and new noise), which is then an ordinary, charged release.
+    """
 
 
 @dataclass
@@ -35,6 +46,7 @@ class ReleaseStats:
     norm_sum: float = 0.0
     nonfinite: int = 0
     clipped: torch.Tensor | None = None  # [K] examples clipped per block
+    charged: bool = True  # False: a replay identical to a release the ledger already holds
 
     @property
     def train_loss(self) -> float:
@@ -66,6 +78,7 @@ class Privatizer:
     noise_allocation: str = "uniform"
     engine: str = "opacus"
     parallel: DataParallel = SINGLE  # this rank's place; micro_batches are then its shard of the lot
+    ledger: PrivacyLedger | None = None  # durable record of every release (rank 0 writes it)
 
     def __post_init__(self):
         if self.expected_lot_size <= 0:
@@ -74,15 +87,23 @@ class Privatizer:
         self.params = self._engine.params
         self.block_stds = block_noise_stds(self.partition, self.noise_multiplier, self.noise_allocation)
         self.effective_noise_multiplier = effective_noise_multiplier(self.partition, self.block_stds)
+        # Whether a re-run step may draw the noise of its earlier release again: true for seeded
+        # noise restored from saved state, false in secure mode and after a fresh reseed.
+        self.noise_may_repeat = not self.noise.secure
 
     def release_noise_std(self) -> dict[str, float]:
         """Public per-entry noise std of g̃ for each parameter: std_W / B_expected."""
         block_of = self.partition.block_index()
         return {n: self.block_stds[block_of[n]] / self.expected_lot_size for n in self.params}
 
-    def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> ReleaseStats:
-        """Privatize one lot (given as physical micro-batches) into p.grad and account for it."""
-        summed = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
+    def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss, step: int | None = None) -> ReleaseStats:
+        """Privatize one lot (given as physical micro-batches) into p.grad and account for it.
+
+        With a ledger, `step` names the release; the ledger line is durable before p.grad is set.
+        """
+        # float64 across micro-batches: an fp32 running total of a large lot rounds by ~1e-7 of its
+        # norm, which at lot 1024 already moves a neighbouring lot's sum by more than 1e-4·C.
+        summed = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in self.params.items()}
         stats = ReleaseStats(clipped=torch.zeros(len(self.partition), dtype=torch.long))
         for batch in micro_batches:
             part, losses, clip = self._engine.clipped_sum(batch, loss_fn)
@@ -112,10 +133,32 @@ class Privatizer:
                 f"released gradient is not finite in {len(bad)} tensor(s) (first: {bad[0]}); refusing to "
                 "update the model — the clipped sum or the noise is broken, not the data"
             )
+        stats.charged = self._record(step, released)
+        if stats.charged:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
         for name, p in self.params.items():
             p.grad = released[name]
-        self.accountant.step(self.noise_multiplier, self.sample_rate)
         return stats
+
+    def _record(self, step: int | None, released: Mapping[str, torch.Tensor]) -> bool:
+        """Write the release to the ledger (rank 0) and say whether it is charged, on every rank."""
+        if self.ledger is None and self.parallel.world_size == 1:
+            return True
+        outcome = "charged"
+        if self.parallel.is_main and self.ledger is not None:
+            if step is None:
+                raise ValueError("a privatizer with a ledger needs the step of each release")
+            digest = release_digest(released)
+            earlier = self.ledger.earlier_digests(step)
+            if earlier and digest not in earlier and self.noise_may_repeat:
+                outcome = "mismatch"
+            else:
+                outcome = "charged" if self.ledger.record(step, self.noise_multiplier, self.sample_rate, digest) else "replay"
+        if self.parallel.world_size > 1:
+            outcome = self.parallel.broadcast_object(outcome)
+        if outcome == "mismatch":
+            raise ReplayMismatchError(f"step {step} was re-run with its earlier noise but released a different gradient")
+        return outcome == "charged"
 
     def epsilon(self) -> float:
         return self.accountant.epsilon()
@@ -147,7 +190,7 @@ class NonPrivateRelease:
     def release_noise_std(self) -> dict[str, float]:
         return {n: 0.0 for n in self.params}
 
-    def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> ReleaseStats:
+    def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss, step: int | None = None) -> ReleaseStats:
         for p in self.params.values():
             p.grad = None
         stats = ReleaseStats(clipped=torch.zeros(0, dtype=torch.long))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+
+from .randomness import secure_uniform
 
 SAMPLINGS = ("poisson", "shuffle")
 
@@ -13,12 +16,14 @@ SAMPLINGS = ("poisson", "shuffle")
 class PoissonLotSampler:
     """Each step, every example joins the lot independently with probability q.
 
-    Draws come from Opacus' UniformWithReplacementSampler driven by our own generator, so the
-    sampler position is just the generator state: checkpoint it and the next lots replay.
-    Lots may be empty; the step is still a valid, accounted (noise-only) release.
+    Draws come from Opacus' UniformWithReplacementSampler driven by our own (secretly seeded)
+    generator, so the sampler position is just the generator state: save it and the next lots
+    replay. `secure=True` draws each example's coin from the OS CSPRNG instead: nothing to
+    replay, nothing to leak. Lots may be empty; the step is still a valid, accounted
+    (noise-only) release.
     """
 
-    def __init__(self, num_samples: int, sample_rate: float, generator: torch.Generator):
+    def __init__(self, num_samples: int, sample_rate: float, generator: torch.Generator, secure: bool = False):
         if num_samples <= 0:
             raise ValueError(f"cannot sample lots from an empty dataset (N={num_samples})")
         if not 0.0 < sample_rate <= 1.0:
@@ -26,11 +31,14 @@ class PoissonLotSampler:
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.generator = generator
+        self.secure = secure
         self._sampler = UniformWithReplacementSampler(
             num_samples=num_samples, sample_rate=sample_rate, generator=generator, steps=1
         )
 
     def next_lot(self) -> list[int]:
+        if self.secure:
+            return np.flatnonzero(secure_uniform(self.num_samples) < self.sample_rate).tolist()
         return next(iter(self._sampler))
 
     def state_dict(self) -> dict:
@@ -78,9 +86,11 @@ class ShuffleLotSampler:
         self._cursor = int(state["cursor"])
 
 
-def build_lot_sampler(kind: str, num_samples: int, expected_lot_size: int, generator: torch.Generator):
+def build_lot_sampler(kind: str, num_samples: int, expected_lot_size: int, generator: torch.Generator, secure: bool = False):
     if kind == "poisson":
-        return PoissonLotSampler(num_samples, expected_lot_size / num_samples, generator)
+        return PoissonLotSampler(num_samples, expected_lot_size / num_samples, generator, secure)
+    if secure:
+        raise ValueError("privacy.secure_noise=true needs privacy.sampling=poisson (shuffled lots are seeded)")
     if kind == "shuffle":
         return ShuffleLotSampler(num_samples, expected_lot_size, generator)
     raise ValueError(f"unknown sampling {kind!r}; valid: {', '.join(SAMPLINGS)}")

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
-from ..data import EncodedExample, EvalItem, Example, encode_for_training, group_references, load_examples
+from ..data import (
+    EncodedExample,
+    EvalItem,
+    Example,
+    default_data_root,
+    encode_for_training,
+    group_references,
+    load_examples,
+    locate_split,
+)
+from ..data.layout import resolve_format
 
 
 @dataclass
@@ -14,6 +27,7 @@ class RunData:
     valid: list[EncodedExample]
     test_items: list[EvalItem]
     test: list[EncodedExample]  # every (source, reference) pair of test_items, for test NLL
+    train_source: str  # which private training set this is; see train_source_fingerprint
 
 
 def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None]) -> RunData:
@@ -35,7 +49,27 @@ def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int
     pairs = [Example(item.source, ref) for item in test_items for ref in item.references]
     test, dropped = encode_for_training(pairs, tokenizer, context_length)
     log(f"{name} test: {len(test_items):,} sources, {len(test):,} reference pairs ({dropped} beyond the context length)")
-    return RunData(train, valid, test_items, test)
+    return RunData(train, valid, test_items, test, train_source_fingerprint(dataset, data))
+
+
+def train_source_fingerprint(dataset: Mapping, data: Mapping) -> str:
+    """SHA-256 naming the private training set by where it comes from, never by its content.
+
+    Dataset, format, excluded origins, subset size and the resolved training file identify the
+    examples for study-level accounting. A hash of the examples themselves would be a
+    deterministic, non-private function of the data: anyone who knows all but one example
+    could test candidates for the last one against it.
+    """
+    name, fmt = dataset["name"], resolve_format(dataset["name"], dataset.get("format"))
+    root = data.get("root") or default_data_root()
+    source = {
+        "dataset": name,
+        "format": fmt,
+        "exclude_origins": sorted(dataset.get("exclude_origins") or ()),
+        "max_train_examples": data.get("max_train_examples"),
+        "train_file": str(Path(locate_split(name, "train", root, fmt)).resolve()),
+    }
+    return hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
 
 
 def _first(items: list, limit) -> list:

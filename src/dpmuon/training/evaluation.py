@@ -63,7 +63,7 @@ def decode(
         raise ValueError(f"unknown decoding {cfg['decoding']!r}; valid: beam, greedy")
     num_beams = int(cfg["num_beams"]) if cfg["decoding"] == "beam" else 1
     max_new = int(cfg["max_new_tokens"])
-    context = model.config.n_positions
+    context = model.config.max_position_embeddings  # every family's name for it (GPT-2 maps n_positions)
     prompts = [fit_prompt(encode_prompt(tokenizer, s), context, max_new) for s in sources]
     # Similar lengths batched together: less padding; results are put back in input order.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))

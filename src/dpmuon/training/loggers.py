@@ -14,7 +14,7 @@ class NullLogger:
 
     run_id: str | None = None
 
-    def log(self, row: Mapping) -> None:
+    def log(self, row: Mapping, publish: bool = True) -> None:
         pass
 
     def summary(self, summary: Mapping) -> None:
@@ -33,7 +33,7 @@ class LocalLogger(NullLogger):
     def __init__(self, run_dir: Path):
         self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl")
 
-    def log(self, row: Mapping) -> None:
+    def log(self, row: Mapping, publish: bool = True) -> None:
         self.metrics.append(dict(row))
 
 
@@ -41,9 +41,13 @@ class WandbLogger(LocalLogger):
     """Also logs to W&B: config, per-step rows, summary and the run's curves.
 
     Offline (./wandb/offline-run-*, upload with `wandb sync`) when no API key is configured.
+    With `per_step=False` (non-private diagnostics off) W&B sees only the rows the loop marks
+    for publishing (evaluation points and the last step), collects no system metrics and
+    captures no console: W&B stamps every logged row with its wall time, and per-step times,
+    like system load, track the lot size.
     """
 
-    def __init__(self, run_dir: Path, cfg: Mapping, config: Mapping, run_id: str | None, name: str):
+    def __init__(self, run_dir: Path, cfg: Mapping, config: Mapping, run_id: str | None, name: str, per_step: bool = True):
         super().__init__(run_dir)
         import wandb
 
@@ -62,11 +66,15 @@ class WandbLogger(LocalLogger):
             mode=mode,
             id=run_id,
             resume="allow",
+            settings=None if per_step else wandb.Settings(x_disable_stats=True, x_disable_meta=True, console="off"),
         )
+        self.per_step = per_step
         self.run_id = self._run.id if self._run is not None else None
 
-    def log(self, row: Mapping) -> None:
+    def log(self, row: Mapping, publish: bool = True) -> None:
         super().log(row)
+        if not (self.per_step or publish):
+            return
         flat = {k: v for k, v in row.items() if not isinstance(v, dict)}
         for key, value in row.items():
             if isinstance(value, dict):
@@ -90,10 +98,10 @@ def _has_netrc_key() -> bool:
     return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
-def build_logger(cfg: Mapping, run_dir: Path, config: Mapping, run_id: str | None, name: str) -> LocalLogger:
+def build_logger(cfg: Mapping, run_dir: Path, config: Mapping, run_id: str | None, name: str, per_step: bool = True) -> LocalLogger:
     kind = cfg.get("name", "none")
     if kind == "none":
         return LocalLogger(run_dir)
     if kind == "wandb":
-        return WandbLogger(run_dir, cfg, config, run_id, name)
+        return WandbLogger(run_dir, cfg, config, run_id, name, per_step)
     raise ValueError(f"unknown logger {kind!r}; valid: none, wandb")

@@ -1,8 +1,8 @@
 """Crash-safe run files: atomic replacement for whole files, fsync'd appends for logs.
 
 A run killed at any instant leaves either the old or the new version of a file, never a torn
-one; metrics rows are durable once `append` returns, and a resume trims rows past the
-checkpoint so none is lost or duplicated.
+one; metrics rows are durable once `append` returns, and a resume moves rows past the
+checkpoint aside (to metrics.superseded.jsonl), so none is duplicated and none is forgotten.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class MetricsLog:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.superseded_path = self.path.with_name(self.path.stem + ".superseded.jsonl")
 
     def append(self, row: dict) -> None:
         line = json.dumps(row, sort_keys=True, default=_json_default) + "\n"
@@ -72,21 +73,29 @@ class MetricsLog:
             f.flush()
             os.fsync(f.fileno())
 
-    def truncate_after(self, step: int) -> int:
-        """Drop rows logged after `step` (and a torn last line); return the rows kept."""
+    def set_aside_after(self, step: int) -> int:
+        """Move rows logged after `step` (re-run on resume) to the superseded file; return how many.
+
+        They describe releases that happened, so they are kept, marked `superseded`; a torn
+        last line from a kill mid-write is dropped (it was never durable).
+        """
         if not self.path.exists():
             return 0
-        kept = []
+        kept, superseded = [], []
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                break  # a torn final line from a kill mid-write
-            if row.get("step", 0) > step:
                 break
-            kept.append(line + "\n")
-        atomic_write(self.path, lambda f: f.write("".join(kept).encode()))
-        return len(kept)
+            (superseded if row.get("step", 0) > step else kept).append(row)
+        if superseded:
+            with open(self.superseded_path, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps({**row, "superseded": True}, sort_keys=True, default=_json_default) + "\n" for row in superseded))
+                f.flush()
+                os.fsync(f.fileno())
+        text = "".join(json.dumps(row, sort_keys=True, default=_json_default) + "\n" for row in kept)
+        atomic_write(self.path, lambda f: f.write(text.encode()))
+        return len(superseded)
 
     def rows(self) -> list[dict]:
         if not self.path.exists():

@@ -7,6 +7,7 @@ everything else — thresholds, noise, accounting — so every engine yields the
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Mapping
 
@@ -18,6 +19,29 @@ from ..clipping import ClipStats
 
 # loss_fn(model, batch) → per-example losses, shape [B]; the gradient of example i's loss is g_i.
 PerExampleLoss = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
+
+# Optional batch key: [B] bool, False on rows that only fill a micro-batch up to a fixed shape
+# (see training/batching.py). Engines give those rows factor 0 and count neither their losses
+# nor their norms, so a filled-up micro-batch releases and reports exactly what its examples do.
+EXAMPLE_MASK = "example_mask"
+
+
+def example_rows(batch: Mapping[str, Any], size: int, device: torch.device) -> torch.Tensor:
+    """[B] bool: which rows of the micro-batch are examples of the lot (all, without EXAMPLE_MASK)."""
+    mask = batch.get(EXAMPLE_MASK)
+    if mask is None:
+        return torch.ones(size, dtype=torch.bool, device=device)
+    if mask.dtype != torch.bool or tuple(mask.shape) != (size,):
+        raise ValueError(f"{EXAMPLE_MASK} must be a bool tensor of shape ({size},), got {mask.dtype} {tuple(mask.shape)}")
+    return mask.to(device)
+
+
+def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """Backward, norms and sums outside autocast, even when the caller runs the whole release
+    under it: autocast would recast the backward's and the engine's own matrix products —
+    among them the sum over examples, whose rounding then grows with the lot — to bf16. Only
+    the loss function's forward is the caller's to cast."""
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 class PerExampleEngine(ABC):
@@ -34,9 +58,10 @@ class PerExampleEngine(ABC):
 
     @abstractmethod
     def clipped_sum(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], torch.Tensor, ClipStats]:
-        """Return (Σ_i c_i,W g_i,W per parameter name in fp32, per-example losses [B], stats).
+        """Return (Σ_i c_i,W g_i,W per parameter name in fp32, the examples' losses, stats).
 
-        Must leave no per-example or non-private gradient behind on the parameters.
+        Losses and stats cover only the rows `example_rows` marks; the other rows contribute
+        nothing. Must leave no per-example or non-private gradient behind on the parameters.
         """
 
     def close(self) -> None:

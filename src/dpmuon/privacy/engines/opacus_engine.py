@@ -11,9 +11,9 @@ import warnings
 import torch
 from opacus import GradSampleModule
 
-from . import conv1d  # noqa: F401  (registers the Conv1D grad sampler)
+from . import opacus_samplers  # noqa: F401  (registers the Conv1D and HF RMSNorm grad samplers)
 from ..clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
-from .base import PerExampleEngine, register_engine
+from .base import PerExampleEngine, example_rows, full_precision, register_engine
 
 
 @register_engine("opacus")
@@ -32,7 +32,7 @@ class OpacusEngine(PerExampleEngine):
         self.gsm.enable_hooks()
         try:
             losses = loss_fn(self.model, batch)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), full_precision(losses.device):
                 # Opacus' full backward hook on the embedding (integer inputs) warns every step.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 losses.sum().backward()
@@ -47,14 +47,16 @@ class OpacusEngine(PerExampleEngine):
 
     def clipped_sum(self, batch, loss_fn):
         grads, losses = self.per_example_gradients(batch, loss_fn)
+        examples = example_rows(batch, losses.shape[0], losses.device)
         squared = {n: g.flatten(1).pow(2).sum(1) for n, g in grads.items()}
         norms = mark_nonfinite_losses(per_example_block_norms(self.partition, squared), losses)
-        factors = clip_factors(norms, self.thresholds)
+        factors = clip_factors(norms, self.thresholds).masked_fill(~examples.unsqueeze(1), 0).float()
         summed = {}
-        for name, g in grads.items():
-            g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)  # 0·NaN would be NaN
-            summed[name] = torch.einsum("b,b...->...", factors[:, self.block_of[name]], g)
-        return summed, losses, ClipStats.from_norms(norms, self.thresholds)
+        with full_precision(losses.device):  # einsum is a batched matmul, which autocast would cast
+            for name, g in grads.items():
+                g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)  # 0·NaN would be NaN
+                summed[name] = torch.einsum("b,b...->...", factors[:, self.block_of[name]], g)
+        return summed, losses[examples], ClipStats.from_norms(norms[examples], self.thresholds)
 
     def close(self):
         self.gsm._close()

@@ -1,0 +1,99 @@
+"""The optimizer roster: `conf/optimizer/*.yaml` is the one list of optimizers.
+
+The Makefile, the sweeps, table and curve ordering and colours, the reproduction and bench
+scripts and the tests read it from here; adding an optimizer is one class, one builder (in
+dpmuon.optim.registry) and one YAML. Reads the YAML files only (no Hydra, no torch), so that
+`python -m dpmuon.config.roster --private` is cheap enough for the Makefile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "conf"
+OPTIMIZER_DIR = CONFIG_DIR / "optimizer"
+
+
+@dataclass(frozen=True)
+class RosterEntry:
+    name: str
+    kind: str
+    private: bool
+    rank: int
+    color: str
+
+
+def optimizer_yaml(name: str) -> DictConfig:
+    """conf/optimizer/<name>.yaml merged over the files its `defaults` list names (unresolved)."""
+    own = OmegaConf.load(OPTIMIZER_DIR / f"{name}.yaml")
+    parents = [entry for entry in own.pop("defaults", []) if entry != "_self_"]
+    return OmegaConf.merge(*(optimizer_yaml(parent) for parent in parents), own)
+
+
+@functools.cache
+def optimizer_roster() -> tuple[RosterEntry, ...]:
+    """Every optimizer of conf/optimizer/, in display order (rank, then name)."""
+    entries = []
+    for path in OPTIMIZER_DIR.glob("*.yaml"):
+        cfg = optimizer_yaml(path.stem)
+        entries.append(RosterEntry(path.stem, str(cfg.kind), bool(cfg.private), int(cfg.display.rank), str(cfg.display.color)))
+    return tuple(sorted(entries, key=lambda e: (e.rank, e.name)))
+
+
+# Keys that describe the YAML (label, builder, display, per-dataset rates), not the optimizer.
+ROSTER_KEYS = ("name", "kind", "private", "display", "recipe_lr")
+
+
+def kind_defaults(kind: str) -> dict:
+    """The hyperparameters conf/optimizer/ gives builder `kind` (of its first YAML in display
+    order), without values that only a composed config can resolve (e.g. the dataset's rate)."""
+    entry = next((e for e in optimizer_roster() if e.kind == kind), None)
+    if entry is None:
+        raise ValueError(f"no conf/optimizer/*.yaml has kind {kind!r}: an optimizer needs one")
+    return copy.deepcopy({k: v for k, v in _literal_values(optimizer_yaml(entry.name)).items() if k not in ROSTER_KEYS})
+
+
+def _literal_values(node: DictConfig) -> dict:
+    out = {}
+    for key in node:
+        if OmegaConf.is_interpolation(node, key):
+            continue
+        value = node[key]
+        out[key] = _literal_values(value) if isinstance(value, DictConfig) else OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    return out
+
+
+def optimizer_names(private: bool | None = None) -> tuple[str, ...]:
+    """Names in display order; `private=True`/`False` keeps only the DP / non-private ones."""
+    return tuple(e.name for e in optimizer_roster() if private is None or e.private == private)
+
+
+def _sweep_list(which: str = "") -> str:
+    """`${dpmuon.optimizers:private}` in a sweep: the roster's names, comma-separated, in order."""
+    choices = {"": None, "private": True, "non_private": False}
+    if which not in choices:
+        raise ValueError(f"dpmuon.optimizers takes one of {', '.join(map(repr, choices))}, got {which!r}")
+    return ",".join(optimizer_names(choices[which]))
+
+
+OmegaConf.register_new_resolver("dpmuon.optimizers", _sweep_list, replace=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Print the optimizer roster, comma-separated (for make and Hydra sweeps).")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--private", action="store_true", help="only the differentially private optimizers")
+    which.add_argument("--non-private", action="store_true", help="only the non-private references")
+    args = parser.parse_args(argv)
+    private = True if args.private else False if args.non_private else None
+    print(",".join(optimizer_names(private)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The fast engine's tensor kernels: per-example weight norms (ghost / direct), the tied-weight
+cross term, and the book-keeping product — all chunked over examples to bound memory.
+
+Precision (see the package docstring for why): the ghost Grams and the tied cross term are
+float64; a formed gradient's sum of squares and the book-keeping sums stay fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Literal
+
+import torch
+
+WeightNormRule = Literal["mixed", "ghost", "direct"]
+WEIGHT_NORM_RULES: tuple[str, ...] = ("mixed", "ghost", "direct")
+
+# Per-chunk budget (in fp32 elements, 256 MiB) for the temporaries of one layer's norm or sum:
+# examples are processed in chunks so that, e.g., an fp32 copy of a bf16 LM-head gradient
+# [B, T, vocab] or the direct per-example gradients [B, d_in, d_out] never exist all at once.
+CHUNK_ELEMENTS = 1 << 26
+FP64_ELEMENTS = 2  # a float64 temporary counts as two fp32 elements of the budget
+
+
+def example_chunks(batch: int, elements_per_example: int) -> Iterator[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, elements_per_example))
+    for start in range(0, batch, step):
+        yield slice(start, min(start + step, batch))
+
+
+def prefers_ghost(rule: WeightNormRule, positions: int, d_in: int, d_out: int) -> bool:
+    """Whether a weight's per-example norms should use the ghost (Gram) form.
+
+    mixed: ghost costs T²(d_in + d_out) per example, direct T·d_in·d_out (and d_in·d_out
+    memory), so ghost wins exactly when T(d_in + d_out) < d_in·d_out.
+    """
+    if rule == "ghost":
+        return True
+    if rule == "direct":
+        return False
+    return positions * (d_in + d_out) < d_in * d_out
+
+
+def _gram64(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] float64 Grams x_i x_iᵀ of x [B, T, d].
+
+    On CPU one 2-D product per example: there a batched float64 product over thousands of
+    features (the LM head's vocabulary) runs 2–3× slower than the 2-D ones, and each example's
+    float64 copy is made only when needed. GPUs prefer the single batched call.
+    """
+    if x.device.type == "cpu":
+        return torch.stack([row @ row.T for row in (example.double() for example in x)])
+    x = x.double()
+    return x @ x.mT
+
+
+def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[B] float64 ‖b_iᵀ a_i‖²_F = Σ_{s,t} ⟨a_s, a_t⟩⟨b_s, b_t⟩ for a [B, T, d_in], b [B, T, d_out].
+
+    Float64 Grams: the sum cancels (see the package docstring).
+    """
+    batch, positions = a.shape[:2]
+    out = []
+    for rows in example_chunks(batch, FP64_ELEMENTS * positions * (a.shape[2] + b.shape[2] + 2 * positions)):
+        out.append(_gram64(a[rows]).mul_(_gram64(b[rows])).sum((1, 2)))
+    return torch.cat(out)
+
+
+def direct_weight_norms(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B] ‖b_iᵀ a_i‖²_F by forming each example's gradient, a chunk of examples at a time.
+
+    fp32 (the default) is enough for a gradient of its own: a sum of squares does not cancel.
+    """
+    batch, positions, d_in = a.shape
+    d_out = b.shape[2]
+    width = dtype.itemsize // torch.float32.itemsize
+    out = []
+    for rows in example_chunks(batch, width * (d_in * d_out + positions * (d_in + d_out))):
+        out.append((a[rows].to(dtype).mT @ b[rows].to(dtype)).square_().sum((1, 2)))
+    return torch.cat(out)
+
+
+def weighted_outer_sum(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, out_in: bool) -> torch.Tensor:
+    """Σ_i scale_i · b_iᵀ a_i in fp32 ([d_out, d_in] if out_in, else its transpose [d_in, d_out]).
+
+    The book-keeping product: one GEMM per chunk of examples over their (example, position)
+    rows, with the per-example scale applied to the narrower operand.
+    """
+    batch, positions, d_in = a.shape
+    d_out = b.shape[2]
+    out = torch.zeros((d_out, d_in) if out_in else (d_in, d_out), dtype=torch.float32, device=a.device)
+    for rows in example_chunks(batch, positions * (d_in + d_out)):
+        ac, bc = a[rows].float(), b[rows].float()
+        weights = scale[rows, None, None]
+        if d_in <= d_out:
+            ac = ac * weights
+        else:
+            bc = bc * weights
+        ac, bc = ac.reshape(-1, d_in), bc.reshape(-1, d_out)
+        out.addmm_(*((bc.mT, ac) if out_in else (ac.mT, bc)))
+    return out
+
+
+def tied_cross_term(a_head: torch.Tensor, b_head: torch.Tensor, ids: torch.Tensor, b_emb: torch.Tensor) -> torch.Tensor:
+    """[B] ⟨G_head,i, G_emb,i⟩ for a head weight shared with the embedding ([vocab, d] both).
+
+    G_head = b_headᵀ a_head, so its row v is Σ_s b_head[s, v] a_s; G_emb's row v is
+    Σ_{t: x_t = v} b_emb,t. Their inner product is Σ_t ⟨G_head[x_t], b_emb,t⟩
+    = Σ_{s,t} b_head[s, x_t] ⟨a_s, b_emb,t⟩: a [S, T] Gram and a gather, never a vocab × d matrix.
+    In float64: the sum cancels like the ghost form's, and so may its sum with the parts' norms.
+    """
+    batch, positions = a_head.shape[:2]
+    tokens = ids.shape[1]
+    per_example = FP64_ELEMENTS * (positions * (a_head.shape[2] + 2 * tokens) + tokens * b_emb.shape[2])
+    out = []
+    for rows in example_chunks(batch, per_example):
+        logit_grads = b_head[rows].gather(2, ids[rows].unsqueeze(1).expand(-1, positions, -1))
+        out.append(((a_head[rows].double() @ b_emb[rows].double().mT) * logit_grads.double()).sum((1, 2)))
+    return torch.cat(out)

@@ -1,0 +1,228 @@
+"""Layer rules: per-example squared norms and clipped sums of one module's own parameters, from
+what the module saw in a micro-batch (its inputs and the gradients of its outputs).
+
+Rules are looked up by the module's exact type in `LAYER_RULES` (a subclass may use its
+weights differently in its own forward, so it must be registered on its own):
+
+    @register_layer(MyLayer)
+    class MyLayerRule(Layer): ...
+
+    register_layer(MistralRMSNorm)(RMSNormLayer)  # a third-party class with a known forward
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from ..norms import HF_RMS_NORMS, rms_normalized
+from .kernels import WeightNormRule, direct_weight_norms, ghost_weight_norms, prefers_ghost, weighted_outer_sum
+
+# name → [B] fp32 scale for the examples' contributions to that parameter's clipped sum.
+ScaleOf = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class Trace:
+    """What one hooked module saw in a micro-batch, flattened to [B, positions, features].
+
+    Several calls of the module in one forward are concatenated along the position axis: the
+    per-example gradient is the sum over calls, exactly as over positions.
+    """
+
+    inputs: torch.Tensor  # layer inputs (token ids for an embedding), detached
+    grads: torch.Tensor  # gradient of Σ_i loss_i w.r.t. the layer's outputs
+
+    def without(self, dropped: torch.Tensor) -> "Trace":
+        """The trace with the dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN)."""
+        rows = dropped.view(-1, *([1] * (self.grads.dim() - 1)))
+        inputs = self.inputs.masked_fill(rows, 0) if self.inputs.is_floating_point() else self.inputs
+        return Trace(inputs, self.grads.masked_fill(rows, 0))
+
+
+class Layer(ABC):
+    """The rule for one module: built once per engine with the names of its trainable parameters.
+
+    names: attribute ("weight" / "bias") → parameter name, for the trainable ones only.
+    weight_norms: the engine's ghost / direct choice, for rules with a weight matrix.
+    tied: the module's weight is shared with another module (an LM head tied to the token
+    embedding); its norm is then one part of a sum that may cancel.
+    """
+
+    def __init__(self, module: nn.Module, names: Mapping[str, str], weight_norms: WeightNormRule = "mixed", tied: bool = False):
+        self.module = module
+        self.names = dict(names)
+        self.weight_norms = weight_norms
+        self.tied = tied
+
+    @abstractmethod
+    def trace(self, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> Trace:
+        """Flatten and concatenate the calls' inputs and output gradients."""
+
+    @abstractmethod
+    def squared_norms(self, trace: Trace) -> dict[str, torch.Tensor]:
+        """Parameter name → [B] squared norm of each example's gradient (fp32 or float64)."""
+
+    @abstractmethod
+    def clipped_sums(self, trace: Trace, scale_of: ScaleOf) -> dict[str, torch.Tensor]:
+        """Parameter name → Σ_i scale_i g_i in fp32, shaped like the parameter."""
+
+
+LAYER_RULES: dict[type[nn.Module], type[Layer]] = {}
+
+
+def register_layer(*module_types: type[nn.Module]) -> Callable[[type[Layer]], type[Layer]]:
+    """Class decorator: `rule` handles modules of exactly these types (replacing any earlier rule)."""
+
+    def decorator(rule: type[Layer]) -> type[Layer]:
+        if not (isinstance(rule, type) and issubclass(rule, Layer)):
+            raise TypeError(f"a layer rule must subclass fast.Layer, got {rule!r}")
+        for module_type in module_types:
+            LAYER_RULES[module_type] = rule
+        return rule
+
+    return decorator
+
+
+def rule_for(module: nn.Module) -> type[Layer] | None:
+    return LAYER_RULES.get(type(module))
+
+
+def _flatten_calls(tensors: list[torch.Tensor], batch: int, features: int | None) -> torch.Tensor:
+    shape = (batch, -1) if features is None else (batch, -1, features)
+    flat = [t.reshape(shape) for t in tensors]
+    return flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
+
+
+@register_layer(nn.Linear, Conv1D)
+class AffineLayer(Layer):
+    """nn.Linear (weight stored (out, in)) or HF Conv1D (weight stored (in, out)): y = a·W + b, b optional."""
+
+    def __init__(self, module, names, weight_norms="mixed", tied=False):
+        super().__init__(module, names, weight_norms, tied)
+        self.in_out = isinstance(module, Conv1D)
+        # A tied head's norm is one part of a sum that may cancel: direct norms then in float64.
+        self.direct_dtype = torch.float64 if tied else torch.float32
+
+    def trace(self, inputs, grads):
+        d_in, d_out = self.module.weight.shape if self.in_out else self.module.weight.shape[::-1]
+        batch = grads[0].shape[0]
+        return Trace(_flatten_calls(inputs, batch, d_in), _flatten_calls(grads, batch, d_out))
+
+    def squared_norms(self, trace):
+        a, b = trace.inputs, trace.grads
+        out = {}
+        if "weight" in self.names:
+            ghost = prefers_ghost(self.weight_norms, a.shape[1], a.shape[2], b.shape[2])
+            out[self.names["weight"]] = ghost_weight_norms(a, b) if ghost else direct_weight_norms(a, b, self.direct_dtype)
+        if "bias" in self.names:
+            out[self.names["bias"]] = b.float().sum(1).square().sum(1)
+        return out
+
+    def clipped_sums(self, trace, scale_of):
+        a, b = trace.inputs, trace.grads
+        out = {}
+        if "weight" in self.names:
+            name = self.names["weight"]
+            # Linear's gradient is bᵀa (out, in); Conv1D stores its transpose aᵀb (in, out).
+            out[name] = weighted_outer_sum(a, b, scale_of(name), out_in=not self.in_out)
+        if "bias" in self.names:
+            name = self.names["bias"]
+            out[name] = torch.einsum("b,btj->j", scale_of(name), b.float())
+        return out
+
+
+@register_layer(nn.Embedding)
+class EmbeddingLayer(Layer):
+    """nn.Embedding: example i's gradient scatters its output gradients into the rows it looked up."""
+
+    def __init__(self, module, names, weight_norms="mixed", tied=False):
+        super().__init__(module, names, weight_norms, tied)
+        if module.scale_grad_by_freq:
+            raise ValueError(
+                "an embedding with scale_grad_by_freq=True has a gradient that depends on the whole batch, "
+                "so it has no per-example decomposition"
+            )
+
+    def trace(self, inputs, grads):
+        batch = grads[0].shape[0]
+        ids = _flatten_calls(inputs, batch, None)
+        b = _flatten_calls(grads, batch, self.module.embedding_dim)
+        if self.module.padding_idx is not None:
+            # PyTorch gives the padding row no gradient.
+            b = b.masked_fill((ids == self.module.padding_idx).unsqueeze(-1), 0)
+        return Trace(ids, b)
+
+    def squared_norms(self, trace):
+        # Exact and O(B·T·d): sum the gradient rows of each (example, token) pair once, then
+        # ‖g_i‖² = Σ_v ‖Σ_{t: x_t = v} b_t‖² — the Gram identity Σ_{s,t}[x_s = x_t]⟨b_s, b_t⟩
+        # without its T² term. Float64, cheap at this size: a tied embedding's norm is one part
+        # of a sum that may cancel.
+        ids, b = trace.inputs, trace.grads
+        batch, _, dim = b.shape
+        vocab = self.module.num_embeddings
+        keys = ids + vocab * torch.arange(batch, device=ids.device).unsqueeze(1)
+        pairs, which = torch.unique(keys.flatten(), return_inverse=True)
+        rows = torch.zeros(len(pairs), dim, dtype=torch.float64, device=b.device)
+        rows.index_add_(0, which, b.reshape(-1, dim).double())
+        squared = torch.zeros(batch, dtype=torch.float64, device=b.device)
+        return {self.names["weight"]: squared.index_add_(0, pairs // vocab, rows.square().sum(1))}
+
+    def clipped_sums(self, trace, scale_of):
+        ids, b = trace.inputs, trace.grads
+        name = self.names["weight"]
+        scaled = b.float() * scale_of(name)[:, None, None]
+        out = torch.zeros(self.module.weight.shape, dtype=torch.float32, device=b.device)
+        return {name: out.index_add_(0, ids.flatten(), scaled.reshape(-1, b.shape[2]))}
+
+
+class NormLayer(Layer):
+    """A per-feature affine map of a normalized input, y = γ ⊙ x̂ (+ β): per-example gradients
+    γ: Σ_t b_t ⊙ x̂_t and β: Σ_t b_t are d-sized, so they are formed exactly (fp32)."""
+
+    @abstractmethod
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 x̂ of the flattened inputs x [B, positions, features]."""
+
+    def trace(self, inputs, grads):
+        features = self.module.weight.numel() if self.module.weight is not None else self.module.bias.numel()
+        batch = grads[0].shape[0]
+        return Trace(_flatten_calls(inputs, batch, features), _flatten_calls(grads, batch, features))
+
+    def _per_example_gradients(self, trace: Trace) -> dict[str, torch.Tensor]:
+        b = trace.grads.float()
+        grads = {}
+        if "weight" in self.names:
+            grads[self.names["weight"]] = (b * self.normalized(trace.inputs)).sum(1)
+        if "bias" in self.names:
+            grads[self.names["bias"]] = b.sum(1)
+        return grads
+
+    def squared_norms(self, trace):
+        return {name: g.square().sum(1) for name, g in self._per_example_gradients(trace).items()}
+
+    def clipped_sums(self, trace, scale_of):
+        shapes = {name: getattr(self.module, attribute).shape for attribute, name in self.names.items()}
+        return {name: (scale_of(name) @ g).reshape(shapes[name]) for name, g in self._per_example_gradients(trace).items()}
+
+
+@register_layer(nn.LayerNorm)
+class LayerNormLayer(NormLayer):
+    """nn.LayerNorm: x̂ = (x − mean) / √(var + ε) over the (flattened) normalized dims."""
+
+    def normalized(self, x):
+        return F.layer_norm(x.float(), (x.shape[2],), eps=self.module.eps)
+
+
+@register_layer(nn.RMSNorm, *HF_RMS_NORMS)
+class RMSNormLayer(NormLayer):
+    """RMSNorm (torch's, and HF's per-model classes): x̂ = x / √(mean(x²) + ε), no bias."""
+
+    def normalized(self, x):
+        return rms_normalized(self.module, x)

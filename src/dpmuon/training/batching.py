@@ -1,0 +1,77 @@
+"""Splitting a lot into the physical micro-batches the privatizer consumes.
+
+Dynamic shapes (the default) sort the lot by length and pad each micro-batch only to its own
+longest sequence: the least padding, the least compute.
+
+Fixed shapes exist for private runs under bf16 autocast. There the model's kernels round
+differently for different tensor shapes, so with dynamic shapes adding one example to a lot
+re-pads and regroups the others and changes *their* clipped contributions (by ~1% of C on CPU
+bf16) — the released sum of neighbouring lots then differs by more than the sensitivity the
+noise is calibrated for. With every micro-batch of the same width and the same number of rows,
+each example's forward and backward see the same shapes whatever else is in the lot, and the
+per-row kernels give it the same contribution bit for bit. Rows that only fill a micro-batch
+up are marked False in `EXAMPLE_MASK`: no supervised labels (zero gradient), and the engines
+give them factor 0 and leave them out of every count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ..data import EncodedExample, collate
+from ..models import IGNORE_INDEX
+from ..privacy.engines.base import EXAMPLE_MASK
+
+
+def lot_micro_batches(
+    examples: Sequence[EncodedExample],
+    lot: Sequence[int],
+    micro_batch_size: int,
+    pad_id: int,
+    *,
+    fixed_width: int | None = None,
+    fixed_rows: bool = False,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield the lot's examples (indices into `examples`) as collated CPU micro-batches.
+
+    Examples are sorted by length first (similar lengths together means less padding; the sum
+    over the lot is order-free). fixed_width: right-pad every micro-batch to this many tokens
+    (the dataset's max_length or the model's context); an example longer than it is an error.
+    fixed_rows: give every micro-batch `micro_batch_size` rows, the last one filled up with
+    label-free rows, and add the `EXAMPLE_MASK` key ([B] bool, True on the lot's examples).
+    An empty lot yields nothing.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+    ordered = sorted(lot, key=lambda i: len(examples[i].input_ids))
+    longest = len(examples[ordered[-1]].input_ids) if ordered else 0
+    if fixed_width is not None and longest > fixed_width:
+        raise ValueError(f"an example of {longest} tokens does not fit the fixed width of {fixed_width}")
+    for start in range(0, len(ordered), micro_batch_size):
+        chosen = [examples[i] for i in ordered[start : start + micro_batch_size]]
+        filler = micro_batch_size - len(chosen) if fixed_rows else 0
+        batch = collate(chosen + [_filler_row(pad_id)] * filler, pad_id)
+        if fixed_width is not None:
+            batch = _right_pad(batch, fixed_width, pad_id)
+        if fixed_rows:
+            batch[EXAMPLE_MASK] = torch.arange(micro_batch_size) < len(chosen)
+        yield batch
+
+
+def _filler_row(pad_id: int) -> EncodedExample:
+    # One attended token rather than an all-zero attention mask, whose softmax over no keys
+    # attention implementations treat differently; with every label ignored its loss is 0 and
+    # its gradient exactly 0.
+    return EncodedExample(input_ids=[pad_id], labels=[IGNORE_INDEX])
+
+
+def _right_pad(batch: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Widen collate's right-padded batch to `width` columns with the same fill values."""
+    fills = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE_INDEX}
+    out = {}
+    for key, tensor in batch.items():
+        extra = width - tensor.shape[1]
+        out[key] = torch.nn.functional.pad(tensor, (0, extra), value=fills[key]) if extra else tensor
+    return out

@@ -1,0 +1,105 @@
+"""Lots into micro-batches: dynamic shapes, or fixed ones whose filler rows change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_gpt2
+from dpmuon.data import EncodedExample, collate
+from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
+from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition
+from dpmuon.privacy.engines.base import EXAMPLE_MASK
+from dpmuon.training.batching import lot_micro_batches
+
+PAD = VOCAB - 1
+
+
+def example(length: int, prompt: int = 2) -> EncodedExample:
+    ids = [(7 * length + 3 * t) % PAD for t in range(length)]
+    return EncodedExample(ids, [IGNORE_INDEX] * prompt + ids[prompt:])
+
+
+EXAMPLES = [example(n) for n in (9, 4, 12, 6, 3, 11, 5)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_dynamic_shapes_sort_by_length_and_pad_each_micro_batch_to_its_longest():
+    lot = [0, 2, 3, 5, 6]
+    batches = list(lot_micro_batches(EXAMPLES, lot, 2, PAD))
+    by_length = sorted(lot, key=lambda i: len(EXAMPLES[i].input_ids))
+    expected = [collate([EXAMPLES[i] for i in by_length[k : k + 2]], PAD) for k in range(0, 5, 2)]
+    assert len(batches) == 3
+    for got, want in zip(batches, expected):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_fixed_shapes_pad_to_the_width_and_fill_the_last_micro_batch():
+    lot = [0, 1, 2, 3, 4]
+    dynamic = list(lot_micro_batches(EXAMPLES, lot, 2, PAD))
+    fixed = list(lot_micro_batches(EXAMPLES, lot, 2, PAD, fixed_width=16, fixed_rows=True))
+    assert [tuple(b["input_ids"].shape) for b in fixed] == [(2, 16)] * 3
+    for small, big in zip(dynamic, fixed):
+        rows, width = small["input_ids"].shape
+        for key in ("input_ids", "attention_mask", "labels"):
+            assert torch.equal(big[key][:rows, :width], small[key])
+        assert (big["input_ids"][:rows, width:] == PAD).all() and (big["attention_mask"][:rows, width:] == 0).all()
+        assert (big["labels"][:rows, width:] == IGNORE_INDEX).all()
+    assert [b[EXAMPLE_MASK].tolist() for b in fixed] == [[True, True], [True, True], [True, False]]
+    filler = {k: v[1] for k, v in fixed[-1].items()}
+    assert (filler["labels"] == IGNORE_INDEX).all() and filler["attention_mask"][0] == 1  # no gradient, not fully masked
+
+
+def test_fixed_width_alone_keeps_the_rows_and_adds_no_mask():
+    batches = list(lot_micro_batches(EXAMPLES, [0, 1, 2], 2, PAD, fixed_width=12))
+    assert [tuple(b["input_ids"].shape) for b in batches] == [(2, 12), (1, 12)]
+    assert all(EXAMPLE_MASK not in b for b in batches)
+
+
+def test_bad_requests_are_refused_and_an_empty_lot_gives_nothing():
+    with pytest.raises(ValueError, match="12 tokens does not fit the fixed width of 10"):
+        list(lot_micro_batches(EXAMPLES, [0, 2], 2, PAD, fixed_width=10))
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        list(lot_micro_batches(EXAMPLES, [0], 0, PAD))
+    assert list(lot_micro_batches(EXAMPLES, [], 4, PAD, fixed_width=16, fixed_rows=True)) == []
+
+
+@pytest.mark.parametrize("engine", ["fast", "opacus"])
+def test_filler_rows_release_and_count_nothing(engine):
+    """The same lot with dynamic and with fixed shapes: same release, same statistics."""
+    lot = list(range(len(EXAMPLES)))
+    results = []
+    for fixed in (False, True):
+        model = tiny_gpt2(tie=True)
+        partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.05, matrix_names=hidden_matrices(model))
+        privatizer = Privatizer(
+            model, partition, noise_multiplier=0.0, expected_lot_size=7.0, sample_rate=1.0,
+            accountant=PrivacyAccountant(1e-5), engine=engine,
+        )
+        batches = lot_micro_batches(EXAMPLES, lot, 3, PAD, fixed_width=16 if fixed else None, fixed_rows=fixed)
+        stats = privatizer.release(batches, per_example_lm_loss)
+        results.append(({n: p.grad.clone() for n, p in privatizer.params.items()}, stats))
+        privatizer.close()
+    (dynamic, stats), (fixed, fixed_stats) = results
+    for name in dynamic:
+        assert torch.allclose(fixed[name], dynamic[name], rtol=1e-4, atol=1e-9), name
+    assert (fixed_stats.lot_size, fixed_stats.loss_count, fixed_stats.nonfinite) == (7, 7, 0)
+    assert torch.equal(fixed_stats.clipped, stats.clipped) and int(stats.clipped.sum()) > 0
+    assert fixed_stats.loss_sum == pytest.approx(stats.loss_sum, rel=1e-5)
+    assert fixed_stats.norm_sum == pytest.approx(stats.norm_sum, rel=1e-5)
+
+
+def test_a_malformed_example_mask_is_refused():
+    model = tiny_gpt2()
+    engine = build_engine("fast", model, build_partition([n for n, _ in model.named_parameters()], clip_mode="flat"))
+    batch = next(lot_micro_batches(EXAMPLES, [0, 1], 2, PAD, fixed_rows=True))
+    batch[EXAMPLE_MASK] = torch.tensor([1, 0])
+    with pytest.raises(ValueError, match="bool tensor of shape"):
+        engine.clipped_sum(batch, per_example_lm_loss)

@@ -1,0 +1,215 @@
+"""Floating point must not break the sensitivity bound.
+
+Each example's clipped contribution must have norm ≤ C_W·(1 + 1e-4) per block, also where its
+gradient is a heavily cancelling sum (the norm formulas lose precision there), and under bf16
+autocast the release of neighbouring lots D, D ∪ {x} must differ by at most what the noise
+was calibrated for — which needs every example's contribution to be independent of the others.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import VOCAB, tiny_gpt2, token_batch
+from dpmuon.data import EncodedExample
+from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
+from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition
+from dpmuon.privacy.engines.fast import FastEngine, ghost_weight_norms
+from dpmuon.training.batching import lot_micro_batches
+
+SLACK = 1 + 1e-4  # the issue's allowance for a clipped contribution over C_W
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cancelling_traces(batch=4, positions=100, dim=64, spread=1e-3, seed=0):
+    """Layer inputs a_t ≈ u and output gradients b_t ≈ ±v, half of each sign: g = Σ_t b_t a_tᵀ
+    nearly cancels, ‖g‖ ≈ 6000× smaller than Σ_t ‖a_t‖‖b_t‖."""
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.cat([torch.ones(positions // 2), -torch.ones(positions // 2)]).view(1, positions, 1)
+    a = torch.randn(batch, 1, dim, generator=g) + spread * torch.randn(batch, positions, dim, generator=g)
+    b = signs * torch.randn(batch, 1, dim, generator=g) + spread * torch.randn(batch, positions, dim, generator=g)
+    return a, b
+
+
+def exact_weight_norms(a, b):
+    return (a.double().mT @ b.double()).square().sum((1, 2))
+
+
+def test_ghost_norms_of_cancelling_gradients_are_exact():
+    a, b = cancelling_traces()
+    exact = exact_weight_norms(a, b)
+    assert torch.allclose(ghost_weight_norms(a, b).double(), exact, rtol=1e-8, atol=0)  # fp32 Grams: norms up to 4% low
+
+
+class Probe(nn.Module):
+    """A linear layer fed given inputs, whose loss Σ_t ⟨y_t, b_t⟩ makes b its output gradient."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.layer = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, a):
+        return self.layer(a)
+
+
+def probe_loss(model, batch):
+    return (model(batch["a"]) * batch["b"]).sum((1, 2))
+
+
+def block_norm(summed, block):
+    return float(torch.sqrt(sum(summed[n].double().square().sum() for n in block.params)))
+
+
+def assert_contributions_within_threshold(engine, partition, batch, loss_fn):
+    """Each example alone in a micro-batch: its clipped sum is its contribution."""
+    size = next(iter(batch.values())).shape[0]
+    for i in range(size):
+        summed, _, stats = engine.clipped_sum({k: v[i : i + 1] for k, v in batch.items()}, loss_fn)
+        assert int(stats.clipped.sum()) == len(partition)  # the bound is at stake only when clipping
+        for block in partition.blocks:
+            assert block_norm(summed, block) <= block.threshold * SLACK, (i, block.name)
+
+
+@pytest.mark.parametrize("rule", ["ghost", "direct", "mixed"])
+def test_cancelling_gradient_is_clipped_to_threshold(rule):
+    a, b = cancelling_traces()
+    model = Probe(a.shape[2])
+    threshold = 0.5 * float(exact_weight_norms(a, b).sqrt().min())
+    partition = build_partition(["layer.weight"], clip_mode="flat", clip_norm=threshold)
+    engine = FastEngine(model, partition, weight_norms=rule)
+    assert_contributions_within_threshold(engine, partition, {"a": a, "b": b}, probe_loss)
+
+
+class TiedProbe(nn.Module):
+    """An embedding whose weight is also a linear head's: fed ids and given head inputs."""
+
+    def __init__(self, vocab, dim):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids, a):
+        return self.embed(ids), self.head(a)
+
+
+def tied_probe_loss(model, batch):
+    embedded, logits = model(batch["ids"], batch["a"])
+    return (embedded * batch["b_embed"]).sum((1, 2)) + (logits * batch["b_head"]).sum((1, 2))
+
+
+def opposing_tied_batch(batch=3, positions=16, vocab=64, dim=32, spread=1e-3, seed=0):
+    """Output gradients that make the embedding's gradient rows ≈ −(the head's), so that
+    ‖G_head + G_embed‖² is ~1e-6 of ‖G_head‖² + ‖G_embed‖²: their sum cancels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:positions] for _ in range(batch)])
+    a = torch.randn(batch, positions, dim, generator=g)
+    b_head = torch.zeros(batch, positions, vocab).scatter_(
+        2, ids.unsqueeze(1).expand(-1, positions, -1), torch.randn(batch, positions, positions, generator=g)
+    )
+    head_rows = (b_head.double().mT @ a.double()).gather(1, ids.unsqueeze(2).expand(-1, -1, dim))
+    b_embed = (spread * torch.randn(batch, positions, dim, generator=g, dtype=torch.float64) - head_rows).float()
+    return {"ids": ids, "a": a, "b_head": b_head, "b_embed": b_embed}
+
+
+def exact_tied_norms(batch):
+    head = batch["b_head"].double().mT @ batch["a"].double()
+    rows = batch["ids"].unsqueeze(2).expand(-1, -1, head.shape[2])
+    return (head.scatter_add(1, rows, batch["b_embed"].double())).square().sum((1, 2)).sqrt()
+
+
+@pytest.mark.parametrize("rule", ["ghost", "direct"])
+def test_tied_weight_whose_parts_cancel_is_clipped_to_threshold(rule):
+    batch = opposing_tied_batch()
+    model = TiedProbe(64, 32)
+    partition = build_partition(["embed.weight"], clip_mode="flat", clip_norm=0.5 * float(exact_tied_norms(batch).min()))
+    engine = FastEngine(model, partition, weight_norms=rule)
+    assert_contributions_within_threshold(engine, partition, batch, tied_probe_loss)
+
+
+def test_opacus_sums_stay_fp32_inside_an_autocast_region():
+    """A caller may run the release under autocast: the sum over examples must not drop to bf16
+    (its rounding would grow with the lot). The forward is kept fp32, so results must match."""
+    model = tiny_gpt2(tie=True)
+    partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.05, matrix_names=hidden_matrices(model))
+    batch = token_batch(3, seed=11)
+
+    def fp32_loss(model, batch):
+        with torch.autocast("cpu", enabled=False):
+            return per_example_lm_loss(model, batch)
+
+    engine = build_engine("opacus", model, partition)
+    expected, _, _ = engine.clipped_sum(batch, per_example_lm_loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _, _ = engine.clipped_sum(batch, fp32_loss)
+    engine.close()
+    for name in expected:
+        assert got[name].dtype == torch.float32, name
+        assert torch.allclose(got[name], expected[name], rtol=1e-5, atol=1e-9), name
+
+
+# ---- bf16 autocast over neighbouring lots ---------------------------------------------------
+
+PAD = VOCAB - 1
+WIDTH = 32  # the tiny model's context
+
+
+def random_examples(count, seed, shortest=4, longest=WIDTH):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        length = int(torch.randint(shortest, longest + 1, (1,), generator=g))
+        prompt = int(torch.randint(1, length // 2 + 1, (1,), generator=g))
+        ids = torch.randint(0, PAD, (length,), generator=g).tolist()
+        out.append(EncodedExample(ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
+    return out
+
+
+def bf16_loss(model, batch):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return per_example_lm_loss(model, batch)
+
+
+def noise_free_release(model, partition, engine, examples, lot, micro_batch_size=4):
+    privatizer = Privatizer(
+        model, partition, noise_multiplier=0.0, expected_lot_size=1.0, sample_rate=1.0,
+        accountant=PrivacyAccountant(1e-5), engine=engine,
+    )
+    batches = lot_micro_batches(examples, lot, micro_batch_size, PAD, fixed_width=WIDTH, fixed_rows=True)
+    stats = privatizer.release(batches, bf16_loss)
+    released = {n: p.grad.clone() for n, p in privatizer.params.items()}
+    privatizer.close()
+    return released, stats
+
+
+@pytest.mark.parametrize("engine", ["fast", "opacus"])
+def test_neighbouring_lots_differ_by_at_most_the_sensitivity_under_bf16(engine):
+    """With fixed micro-batch shapes, adding x changes the bf16 release by x's contribution only.
+
+    x is the shortest example, so it regroups every micro-batch: with dynamic shapes the others'
+    contributions move here by 5e-3·C_W in sum, and the difference exceeds C_W by 2–3e-4.
+    """
+    model = tiny_gpt2(tie=True)
+    partition = build_partition(
+        [n for n, _ in model.named_parameters()], clip_mode="per_matrix", clip_norm=1e-3, matrix_names=hidden_matrices(model)
+    )
+    examples = random_examples(13, seed=0) + [EncodedExample([5, 6, 7], [IGNORE_INDEX, 6, 7])]
+    lot = list(range(13))
+    without_x, stats = noise_free_release(model, partition, engine, examples, lot)
+    with_x, stats_x = noise_free_release(model, partition, engine, examples, lot + [13])
+    assert (stats.lot_size, stats_x.lot_size) == (13, 14)  # filler rows are not examples
+    squares = []
+    for block in partition.blocks:
+        difference = block_norm({n: with_x[n] - without_x[n] for n in block.params}, block)
+        assert difference <= block.threshold * SLACK, block.name
+        squares.append(difference**2)
+    assert sum(squares) ** 0.5 <= partition.sensitivity * SLACK
