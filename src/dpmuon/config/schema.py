@@ -304,6 +304,7 @@ OPTIONS: tuple[Option, ...] = (
     Int("eval.batch_size", "evaluation batch (NLL uses 4×)", ge=1),
     # ---- logging
     Bool("logging.nonprivate_diagnostics", "log train loss, lot size, clip fractions, timings (not covered)"),
+    Bool("logging.oracle_alignment", "Muon: log true SNR and F(M)/F_BC(M) alignment with the noise-free buffer (not covered)"),
     Int("logging.epsilon_every", "compute ε spent every N steps (and at the last)", ge=1),
     Bool("logging.progress", "progress bars"),
     # ---- logger

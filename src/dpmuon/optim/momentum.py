@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 MOMENTUM_KINDS = ("heavy_ball", "ema")
 
 
@@ -42,3 +44,16 @@ class MomentumRule:
         """Per-entry noise variance of u_t (g̃_t enters both directly and through m_t)."""
         direct = self.grad_weight + self.buffer_weight * self.gain
         return direct**2 * grad_variance + (self.buffer_weight * self.decay) ** 2 * previous
+
+
+def advance(buffer: torch.Tensor, grad: torch.Tensor, rule: MomentumRule) -> torch.Tensor:
+    """Advance `buffer` in place with one gradient; return u_t, the matrix to orthogonalize."""
+    if rule.gain == 1.0:
+        buffer.mul_(rule.decay).add_(grad)
+    else:
+        buffer.lerp_(grad, rule.gain)  # EMA: β·m + (1−β)·g
+    if rule.grad_weight == 0.0:
+        return buffer
+    if rule.grad_weight == 1.0:
+        return grad.add(buffer, alpha=rule.buffer_weight)
+    return grad.lerp(buffer, rule.buffer_weight)  # EMA Nesterov: (1−β)·g + β·m

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping
 import torch
 
 from .bias_correction import bias_corrected_newton_schulz
-from .momentum import MomentumRule
+from .momentum import MomentumRule, advance
 from .newton_schulz import newton_schulz
 
 UPDATE_SCALES = ("adam_rms", "reference", "none")
@@ -177,14 +177,4 @@ class Muon(torch.optim.Optimizer):
         grad_var = self._release_std[p] ** 2
         update_var = rule.update_variance(state["buffer_noise_var"], grad_var)
         state["buffer_noise_var"] = rule.buffer_variance(state["buffer_noise_var"], grad_var)
-        if rule.gain == 1.0:
-            buf.mul_(rule.decay).add_(grad)
-        else:
-            buf.lerp_(grad, rule.gain)  # EMA: β·m + (1−β)·g
-        if rule.grad_weight == 0.0:
-            update = buf
-        elif rule.grad_weight == 1.0:
-            update = grad.add(buf, alpha=rule.buffer_weight)
-        else:
-            update = grad.lerp(buf, rule.buffer_weight)  # EMA Nesterov: (1−β)·g + β·m
-        return update, math.sqrt(update_var)
+        return advance(buf, grad, rule), math.sqrt(update_var)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -79,6 +79,8 @@ class Privatizer:
     engine: str = "opacus"
     parallel: DataParallel = SINGLE  # this rank's place; micro_batches are then its shard of the lot
     ledger: PrivacyLedger | None = None  # durable record of every release (rank 0 writes it)
+    # Non-private diagnostics only: receives each step's clipped sum / B *before* noise.
+    observe_noise_free: Callable[[dict[str, torch.Tensor]], None] | None = None
 
     def __post_init__(self):
         if self.expected_lot_size <= 0:
@@ -118,6 +120,7 @@ class Privatizer:
             stats.clipped += clip.clipped
 
         block_of = self.partition.block_index()
+        noise_free = {n: (t / self.expected_lot_size).float() for n, t in summed.items()} if self.observe_noise_free else None
         if self.parallel.is_main:  # noise is drawn once per step, whatever the number of ranks
             for name, noisy in summed.items():
                 std = self.block_stds[block_of[name]]
@@ -134,6 +137,8 @@ class Privatizer:
                 "update the model — the clipped sum or the noise is broken, not the data"
             )
         stats.charged = self._record(step, released)
+        if noise_free is not None:
+            self.observe_noise_free(noise_free)
         if stats.charged:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
         for name, p in self.params.items():

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from ..config.schema import blamed_on, validate as validate_config
 from ..data import load_tokenizer
 from ..errors import UserError
+from ..diagnostics import OracleAlignment
 from ..eval.curves import write_curves
 from ..eval.metrics import score
 from ..eval.runs import Run
@@ -261,6 +262,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         scheduler = build_scheduler(optimizer, cfg.optimizer.schedule, plan.steps, int(cfg.optimizer.warmup_steps))
     muon = getattr(optimizer, "parts", {}).get("muon")
     matrix_name = {p: n for n, p in named.items()}
+    oracle = build_oracle(cfg, muon, matrix_name, release, parallel)
 
     # ---- resume ----------------------------------------------------------------------------
     metrics = MetricsLog(run_dir / "metrics.jsonl")
@@ -365,6 +367,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
                 stats = release_step(step)
             except NonFiniteReleaseError as err:
                 raise UserError(f"step {step}: {err}") from None
+            oracle_fields = oracle.step() if oracle else {}  # before the optimizer moves the weights
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             broken = [n for n, p in named.items() if not torch.isfinite(p).all()]
@@ -384,7 +387,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
                 row["snr"] = snr
                 row["snr_median"] = statistics.median(snr.values())
             if diagnostics:
-                row.update(diagnostic_fields(stats, partition, private), step_seconds=elapsed)
+                row.update(diagnostic_fields(stats, partition, private), **oracle_fields, step_seconds=elapsed)
             evaluated = bool(eval_every and step % eval_every == 0) or (validate and step == plan.steps)
             if parallel.is_main and evaluated:
                 row["val_nll"] = validation_nll()
@@ -493,6 +496,21 @@ def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledge
         if parallel.world_size > 1:
             randomness.load_state_dict(parallel.broadcast_object(randomness.state_dict() if parallel.is_main else None))
         release.noise_may_repeat = False
+
+
+def build_oracle(cfg: DictConfig, muon, names: dict, release, parallel: DataParallel) -> OracleAlignment | None:
+    """logging.oracle_alignment: the noise-free buffer beside the real one (non-private)."""
+    if not cfg.logging.get("oracle_alignment", False):
+        return None
+    if not cfg.logging.nonprivate_diagnostics:
+        raise UserError("logging.oracle_alignment=true needs logging.nonprivate_diagnostics=true: it is computed from the noise-free private signal")
+    if muon is None or not cfg.optimizer.private:
+        raise UserError(f"logging.oracle_alignment=true needs a private Muon-family optimizer; got optimizer={cfg.optimizer.name}")
+    if parallel.world_size > 1:
+        raise UserError("logging.oracle_alignment=true runs in one process only (each rank sees only its shard's clipped sum)")
+    oracle = OracleAlignment(muon, names, release.release_noise_std(), seed=int(cfg.seed))
+    release.observe_noise_free = oracle.observe
+    return oracle
 
 
 def fixed_batch_shape(cfg: DictConfig, precision: str) -> bool:
