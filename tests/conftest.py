@@ -42,3 +42,12 @@ def tied_model():
 @pytest.fixture
 def untied_model():
     return tiny_gpt2(tie=False)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One torch thread for a module: small kernels on a busy 2-core machine stall with more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

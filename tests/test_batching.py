@@ -23,12 +23,7 @@ def example(length: int, prompt: int = 2) -> EncodedExample:
 EXAMPLES = [example(n) for n in (9, 4, 12, 6, 3, 11, 5)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_dynamic_shapes_sort_by_length_and_pad_each_micro_batch_to_its_longest():

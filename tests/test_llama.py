@@ -21,12 +21,7 @@ ARCHS = ["llama", "qwen2"]
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def tiny_llama(arch: str = "llama", tie: bool = True, seed: int = 0):

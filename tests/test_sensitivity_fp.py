@@ -22,12 +22,7 @@ from dpmuon.training.batching import lot_micro_batches
 SLACK = 1 + 1e-4  # the allowance for a clipped contribution over C_W
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def cancelling_traces(batch=4, positions=100, dim=64, spread=1e-3, seed=0):
