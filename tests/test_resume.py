@@ -184,3 +184,25 @@ def test_resume_refuses_a_changed_mechanism():
         check_resume_compatible(stored, make_plan(**kwargs, noise_multiplier=1.5))
     with pytest.raises(UserError, match="dataset_size"):
         check_resume_compatible(stored, make_plan(**(kwargs | {"dataset_size": 999}), noise_multiplier=1.0))
+
+
+def test_a_seeded_replay_that_computes_another_gradient_is_redrawn_and_charged(tmp_path):
+    """Same noise, different model state (as on another machine): publishing the re-run would
+    cancel the noise, so it is withheld and the step redrawn from fresh entropy, charged."""
+    require_real_data()
+    run_dir = tmp_path / "run"
+    before = kill_after(run_dir, BETWEEN_CHECKPOINTS, *SEEDED)
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    name = "transformer.ln_f.weight"  # not the tied embedding, whose head copy would overwrite it on load
+    state["model"][name] = state["model"][name] + 1e-3  # the replay can no longer match bit for bit
+    torch.save(state, run_dir / "checkpoint.pt")
+    done = resume(run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "redrawing lot and noise" in done.stderr
+    after = ledger(run_dir)
+    assert after[: len(before)] == before
+    fifth = [r for r in after[1:] if r["step"] == 5]
+    assert len(fifth) == 2 and all(r["charged"] for r in fifth) and fifth[0]["release_sha256"] != fifth[1]["release_sha256"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epsilon"] == pytest.approx(ledger_epsilon(after), rel=1e-12)
+    assert summary["mechanism_randomness"].startswith("os entropy")

@@ -182,9 +182,14 @@ def mechanism_randomness(cfg: DictConfig, device: torch.device, parallel: DataPa
     """Secret lot and noise generators; all ranks share rank 0's (they must draw the same lots)."""
     seed = cfg.privacy.get("mechanism_seed")
     randomness = MechanismRandomness(None if seed is None else int(seed), device, secure=bool(cfg.privacy.secure_noise))
+    share_rank0_randomness(randomness, parallel)
+    return randomness
+
+
+def share_rank0_randomness(randomness: MechanismRandomness, parallel: DataParallel) -> None:
+    """Every rank takes rank 0's generator states: all ranks must draw the same lots."""
     if parallel.world_size > 1:
         randomness.load_state_dict(parallel.broadcast_object(randomness.state_dict() if parallel.is_main else None))
-    return randomness
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -289,11 +294,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     else:
         logger = NullLogger()
 
+    def save_mechanism(step: int) -> None:
+        save_mechanism_state(mech_path, step, {"randomness": randomness.state_dict(), "sampler": sampler.state_dict()})
+
     def checkpoint(step: int) -> None:
         if not parallel.is_main:
             return
         if private:  # the secret half first: a checkpoint never exists without its mechanism state
-            save_mechanism_state(mech_path, step, {"randomness": randomness.state_dict(), "sampler": sampler.state_dict()})
+            save_mechanism(step)
         save_checkpoint(
             ckpt_path,
             {
@@ -309,7 +317,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         )
 
     if private and start_step == 0 and parallel.is_main:  # a kill before the first checkpoint can still replay
-        save_mechanism_state(mech_path, 0, {"randomness": randomness.state_dict(), "sampler": sampler.state_dict()})
+        save_mechanism(0)
 
     def next_lot() -> list[int]:
         lot = sampler.next_lot()
@@ -338,6 +346,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         except ReplayMismatchError as err:
             log(f"{err}; redrawing lot and noise from fresh OS entropy (charged as a new release)")
             randomness.reseed_from_os_entropy()
+            share_rank0_randomness(randomness, parallel)  # ranks must keep drawing one lot
             release.noise_may_repeat = False
             return release.release(lot_batches(next_lot()), loss_fn, step)
 
@@ -493,8 +502,7 @@ def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledge
         if not randomness.secure:
             log(f"no mechanism state for step {step} in {path.name}: drawing fresh secret randomness; re-run steps are charged")
         randomness.reseed_from_os_entropy()
-        if parallel.world_size > 1:
-            randomness.load_state_dict(parallel.broadcast_object(randomness.state_dict() if parallel.is_main else None))
+        share_rank0_randomness(randomness, parallel)
         release.noise_may_repeat = False
 
 
