@@ -24,17 +24,14 @@ import argparse
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from dpmuon.config.roster import optimizer_names
+from dpmuon.experiments.jobs import REPO, Job, publish, run_job
 
-REPO = Path(__file__).resolve().parents[1]
 DP_OPTIMIZERS = optimizer_names(private=True)  # conf/optimizer/*.yaml with private: true
 # Five rates per optimizer, half a decade apart: one tuning budget for all. DP-SGD's rates are
 # larger because its update is the raw released gradient (norm ≲ C = 0.1), not a normalized one.
@@ -46,16 +43,6 @@ LR_GRID = {
     "dp_muonbc": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
 }
 NON_PRIVATE = ("adam", 1e-3)
-PUBLISHED_FILES = {"summary.json": "summary.json", "metrics.jsonl": "metrics.jsonl", ".hydra/config.yaml": "config.yaml", "generations.txt": "generations.txt"}
-
-
-@dataclass(frozen=True)
-class Job:
-    name: str
-    stage: str  # "tuning" | "runs"
-    overrides: tuple[str, ...]
-
-
 def lr_overrides(optimizer: str, lr: float) -> list[str]:
     """One knob per optimizer: for DP-Muon(BC) the Adam part (non-matrix tensors) shares it."""
     out = [f"optimizer={optimizer}", f"optimizer.lr={lr:g}"]
@@ -101,42 +88,6 @@ def final_jobs(dataset: str, rates: dict[str, float], seeds: list[int]) -> list[
         for seed in seeds
         for opt, lr in settings
     ]
-
-
-def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
-    """Run (or resume, or skip) one job and return its published copy under `results`.
-
-    Its working directory (with checkpoints) lives under `work`. A run already published under
-    `results` is not run again, even when its working directory is gone (the committed record
-    is the result; re-running would replace it with another draw).
-    """
-    run_dir = work / job.stage / job.name
-    published = results / job.stage / job.name
-    if (run_dir / "summary.json").exists():
-        publish(run_dir, published)
-        return published
-    if (published / "summary.json").exists():
-        return published
-    if (run_dir / ".hydra" / "config.yaml").exists():
-        cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume"]
-    else:
-        cmd = [sys.executable, "-m", "dpmuon.train", *job.overrides, f"hydra.run.dir={run_dir}", f"trainer.num_threads={threads}", "logging.progress=false"]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    with open(work / job.stage / f"{job.name}.log", "a") as log:
-        done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"{job.name} failed (exit {done.returncode}); see {work / job.stage / (job.name + '.log')}")
-    print(f"  {job.stage}/{job.name}: {time.time() - start:.0f} s", flush=True)
-    publish(run_dir, published)  # at once: a run is on record (and committable) as soon as it ends
-    return published
-
-
-def publish(run_dir: Path, dest: Path) -> None:
-    dest.mkdir(parents=True, exist_ok=True)
-    for source, target in PUBLISHED_FILES.items():
-        if (run_dir / source).exists():
-            shutil.copyfile(run_dir / source, dest / target)
 
 
 def run_all(jobs: list[Job], work: Path, results: Path, parallel: int) -> list[dict]:

@@ -208,3 +208,51 @@ def test_neighbouring_lots_differ_by_at_most_the_sensitivity_under_bf16(engine):
         assert difference <= block.threshold * SLACK, block.name
         squares.append(difference**2)
     assert sum(squares) ** 0.5 <= partition.sensitivity * SLACK
+
+
+# ---- the lot total and the skipped positions ------------------------------------------------
+
+
+def test_lot_total_stays_fp32_only_while_its_rounding_bound_is_below_the_slack():
+    """Two micro-batches of 8 add 2u·16 ≈ 1.9e-6·C_W: fp32, and the first sum is the total
+    itself. A lot of 1024 in micro-batches of 8 passes 1e-5·C_W at the fifth (Σ n_≤m = 112 > 83)
+    and is float64 from then on, equal to the exact sum."""
+    from dpmuon.privacy.privatizer import LotTotal
+
+    g = torch.Generator().manual_seed(0)
+    parts = [{"w": torch.randn(5, 3, generator=g)} for _ in range(128)]
+    small, summed = LotTotal(), {}
+    for part in parts[:2]:
+        small.add(summed, dict(part), 8)
+    assert not small.float64 and summed["w"].dtype == torch.float32
+    assert summed["w"].data_ptr() == parts[0]["w"].data_ptr()  # taken over, not copied
+    assert 2 * 2.0**-24 * 16 <= small.excess <= LotTotal.FP32_SLACK
+
+    large, summed = LotTotal(), {}
+    for m, part in enumerate(parts, start=1):
+        large.add(summed, {"w": part["w"].clone()}, 8)
+        assert large.float64 == (m >= 5), m
+    exact = torch.stack([p["w"].double() for p in parts]).sum(0)
+    assert summed["w"].dtype == torch.float64
+    assert torch.allclose(summed["w"], exact, rtol=0, atol=1e-5)  # only the first four fp32 additions rounded
+
+    assert LotTotal(distributed=True).float64  # the all-reduce adds too
+
+
+def test_positions_without_output_gradient_are_skipped_exactly():
+    """Zero b_t rows (padding, an unlabelled prompt at the LM head) leave the norms and the
+    book-keeping sum unchanged when the kernels skip them."""
+    from dpmuon.privacy.engines.fast import weighted_outer_sum
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(4, 12, 6, generator=g), torch.randn(4, 12, 9, generator=g)
+    b[:, :5] = 0  # a prompt
+    b[2, 8:] = 0  # padding of one example
+    active = b.ne(0).any(-1)
+    assert ghost_weight_norms(a, b, active).dtype == torch.float64
+    assert torch.allclose(ghost_weight_norms(a, b, active), exact_weight_norms(a, b), rtol=1e-12, atol=0)
+    scale = torch.rand(4, generator=g)
+    for out_in in (True, False):
+        expected = torch.einsum("i,itj,itk->jk", scale.double(), b.double(), a.double())
+        got = weighted_outer_sum(a, b, scale, out_in, active=active).double()
+        assert torch.allclose(got, expected if out_in else expected.T, atol=1e-6), out_in

@@ -36,6 +36,44 @@ class ReplayMismatchError(RuntimeError):
     """
 
 
+class LotTotal:
+    """Sums the micro-batches' clipped sums in fp32 while that is exact enough, else in float64.
+
+    Each fp32 addition rounds a block's running total by at most u·‖total‖ ≤ u·n·C_W (u = 2⁻²⁴,
+    n the examples summed so far, each contributing at most C_W), so two neighbouring lots'
+    totals can differ by up to C_W + 2u·C_W·Σ_m n_≤m. While that excess stays under
+    `FP32_SLACK`·C_W (Σ_m n_≤m ≤ 83: a lot of 16 in two micro-batches of 8 reaches 1.9e-6) the
+    total stays fp32 and the last micro-batch's sum becomes the release in place. Past it — a
+    lot of 1024 in micro-batches of 8 would reach 7.9e-3·C_W — the total is converted once to
+    float64, whose rounding is 2²⁹ times finer. Several ranks always use float64: the all-reduce
+    adds too.
+    """
+
+    FP32_SLACK = 1e-5  # of C_W; the engines' own fp32 products round by more (package docstring)
+    UNIT_ROUNDOFF = 2.0**-24
+
+    def __init__(self, distributed: bool = False):
+        self.float64 = distributed
+        self.examples = 0
+        self.excess = 0.0  # bound on the fp32 additions' rounding, in units of C_W
+
+    def add(self, summed: dict[str, torch.Tensor], part: Mapping[str, torch.Tensor], examples: int) -> None:
+        """Add one micro-batch's sums (fp32, fresh tensors the total may take over) into `summed`."""
+        first = not summed
+        self.examples += examples
+        if not first and not self.float64:
+            self.excess += 2 * self.UNIT_ROUNDOFF * self.examples
+            if self.excess > self.FP32_SLACK:
+                self.float64 = True
+                for name in summed:
+                    summed[name] = summed[name].double()
+        for name, tensor in part.items():
+            if name in summed:
+                summed[name] += tensor
+            else:
+                summed[name] = tensor.double() if self.float64 else tensor
+
+
 @dataclass
 class ReleaseStats:
     """What one step saw, computed from raw per-example values: non-private diagnostics."""
@@ -103,14 +141,12 @@ class Privatizer:
 
         With a ledger, `step` names the release; the ledger line is durable before p.grad is set.
         """
-        # float64 across micro-batches: an fp32 running total of a large lot rounds by ~1e-7 of its
-        # norm, which at lot 1024 already moves a neighbouring lot's sum by more than 1e-4·C.
-        summed = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in self.params.items()}
+        summed: dict[str, torch.Tensor] = {}
+        total = LotTotal(distributed=self.parallel.world_size > 1)
         stats = ReleaseStats(clipped=torch.zeros(len(self.partition), dtype=torch.long))
         for batch in micro_batches:
             part, losses, clip = self._engine.clipped_sum(batch, loss_fn)
-            for name, tensor in part.items():
-                summed[name] += tensor
+            total.add(summed, part, clip.examples)
             finite = torch.isfinite(losses)
             stats.lot_size += clip.examples
             stats.loss_sum += float(losses[finite].sum())
@@ -119,18 +155,23 @@ class Privatizer:
             stats.nonfinite += clip.nonfinite
             stats.clipped += clip.clipped
 
+        for name, p in self.params.items():
+            if name not in summed:  # an empty lot
+                summed[name] = torch.zeros_like(p, dtype=torch.float64 if total.float64 else torch.float32)
         block_of = self.partition.block_index()
         noise_free = {n: (t / self.expected_lot_size).float() for n, t in summed.items()} if self.observe_noise_free else None
         if self.parallel.is_main:  # noise is drawn once per step, whatever the number of ranks
             for name, noisy in summed.items():
                 std = self.block_stds[block_of[name]]
                 if std > 0:
-                    noisy += std * self.noise.standard_normal(noisy.shape, noisy.device)
+                    noisy.add_(self.noise.standard_normal(noisy.shape, noisy.device), alpha=std)
         if self.parallel.world_size > 1:
             self.parallel.all_reduce_sum(list(summed.values()))
             stats = _reduce_stats(stats, self.parallel)
-        released = {name: (summed[name] / self.expected_lot_size).to(p.dtype) for name, p in self.params.items()}
-        bad = [name for name, g in released.items() if not torch.isfinite(g).all()]
+        # In place, one parameter at a time: an fp32 total becomes the release itself, and a float64
+        # one is freed as its fp32 copy is made, so the peak never holds two copies of the model.
+        released = {name: summed.pop(name).div_(self.expected_lot_size).to(p.dtype) for name, p in self.params.items()}
+        bad = [name for name, g in released.items() if not _all_finite(g)]
         if bad:  # checked before any p.grad is written: nothing half-released
             raise NonFiniteReleaseError(
                 f"released gradient is not finite in {len(bad)} tensor(s) (first: {bad[0]}); refusing to "
@@ -170,6 +211,12 @@ class Privatizer:
 
     def close(self) -> None:
         self._engine.close()
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # A finite sum needs finite entries (NaN and ±inf propagate); only an overflowing sum of
+    # finite entries needs the entry-wise check, which costs a pass and a mask.
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _reduce_stats(stats: ReleaseStats, parallel: DataParallel) -> ReleaseStats:

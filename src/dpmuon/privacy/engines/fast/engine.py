@@ -212,10 +212,9 @@ class FastEngine(PerExampleEngine):
             return factors[:, self.block_of[name]]
 
         summed: dict[str, torch.Tensor] = {}
-        for module in list(traces):
-            for name, values in self.layers[module].clipped_sums(traces.pop(module), scale_of).items():
-                # Each layer returns fresh tensors, so a tied weight's second part can be added in place.
-                summed[name] = summed[name].add_(values) if name in summed else values
+        # Heads before embeddings: a tied weight's embedding part is then added into the head's sum.
+        for module in sorted(traces, key=lambda m: isinstance(self.layers[m], EmbeddingLayer)):
+            self.layers[module].add_clipped_sums(traces.pop(module), scale_of, summed)
         for name, p in self.params.items():
             if name not in summed:  # its module was not called in this forward
                 summed[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)

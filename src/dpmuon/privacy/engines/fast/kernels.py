@@ -41,28 +41,36 @@ def prefers_ghost(rule: WeightNormRule, positions: int, d_in: int, d_out: int) -
 
 
 def _gram64(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] float64 Grams x_i x_iᵀ of x [B, T, d].
-
-    On CPU one 2-D product per example: there a batched float64 product over thousands of
-    features (the LM head's vocabulary) runs 2–3× slower than the 2-D ones, and each example's
-    float64 copy is made only when needed. GPUs prefer the single batched call.
-    """
-    if x.device.type == "cpu":
-        return torch.stack([row @ row.T for row in (example.double() for example in x)])
+    """[B, T, T] float64 Grams x_i x_iᵀ of x [B, T, d], batched (the GPU path)."""
     x = x.double()
     return x @ x.mT
 
 
-def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
     """[B] float64 ‖b_iᵀ a_i‖²_F = Σ_{s,t} ⟨a_s, a_t⟩⟨b_s, b_t⟩ for a [B, T, d_in], b [B, T, d_out].
 
-    Float64 Grams: the sum cancels (see the package docstring).
+    Float64 Grams: the sum cancels (see the package docstring). active [B, T]: the positions
+    with a nonzero b_t (`Trace.active`); the others add nothing, so the CPU path leaves them out
+    of the T² cost — at the LM head, every prompt token.
     """
+    if a.device.type == "cpu":
+        # One example at a time: on CPU a batched float64 product over thousands of features
+        # (the LM head's vocabulary) runs 2–3× slower than the 2-D ones, and each example's
+        # float64 copy is then made only when needed, on its active rows only.
+        norms = []
+        for i in range(a.shape[0]):
+            ai, bi = a[i], b[i]
+            if active is not None and not bool(active[i].all()):
+                rows = active[i].nonzero().squeeze(1)
+                ai, bi = ai.index_select(0, rows), bi.index_select(0, rows)
+            ai, bi = ai.double(), bi.double()
+            norms.append((ai @ ai.T).mul_(bi @ bi.T).sum())
+        return torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=a.device)
     batch, positions = a.shape[:2]
     out = []
     for rows in example_chunks(batch, FP64_ELEMENTS * positions * (a.shape[2] + b.shape[2] + 2 * positions)):
         out.append(_gram64(a[rows]).mul_(_gram64(b[rows])).sum((1, 2)))
-    return torch.cat(out)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64, device=a.device)
 
 
 def direct_weight_norms(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -79,24 +87,37 @@ def direct_weight_norms(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = t
     return torch.cat(out)
 
 
-def weighted_outer_sum(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, out_in: bool) -> torch.Tensor:
-    """Σ_i scale_i · b_iᵀ a_i in fp32 ([d_out, d_in] if out_in, else its transpose [d_in, d_out]).
+def weighted_outer_sum(
+    a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, out_in: bool, out: torch.Tensor | None = None, active: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Σ_i scale_i · b_iᵀ a_i in fp32 ([d_out, d_in] if out_in, else its transpose [d_in, d_out]),
+    added into `out` when given (and returned).
 
     The book-keeping product: one GEMM per chunk of examples over their (example, position)
-    rows, with the per-example scale applied to the narrower operand.
+    rows, with the per-example scale applied to the narrower operand. Rows outside `active`
+    (zero b_t) are left out when that saves a tenth of the product or more: at the LM head the
+    unlabelled prompt is about half the rows, which the non-private backward multiplies anyway.
+    The first chunk writes a fresh result rather than adding into zeros: filling a
+    vocabulary-sized matrix first costs about as much as the product's memory traffic.
     """
     batch, positions, d_in = a.shape
     d_out = b.shape[2]
-    out = torch.zeros((d_out, d_in) if out_in else (d_in, d_out), dtype=torch.float32, device=a.device)
     for rows in example_chunks(batch, positions * (d_in + d_out)):
-        ac, bc = a[rows].float(), b[rows].float()
-        weights = scale[rows, None, None]
+        ac, bc = a[rows].reshape(-1, d_in), b[rows].reshape(-1, d_out)
+        weights = scale[rows].repeat_interleave(positions)
+        if active is not None:
+            keep = active[rows].reshape(-1)
+            if int(keep.sum()) < 0.9 * keep.numel():
+                ac, bc, weights = ac[keep], bc[keep], weights[keep]
+        ac, bc = ac.float(), bc.float()
         if d_in <= d_out:
-            ac = ac * weights
+            ac = ac * weights[:, None]
         else:
-            bc = bc * weights
-        ac, bc = ac.reshape(-1, d_in), bc.reshape(-1, d_out)
-        out.addmm_(*((bc.mT, ac) if out_in else (ac.mT, bc)))
+            bc = bc * weights[:, None]
+        left, right = (bc.mT, ac) if out_in else (ac.mT, bc)
+        out = left @ right if out is None else out.addmm_(left, right)
+    if out is None:  # no examples
+        out = torch.zeros((d_out, d_in) if out_in else (d_in, d_out), dtype=torch.float32, device=a.device)
     return out
 
 

@@ -13,7 +13,7 @@ weights differently in its own forward, so it must be registered on its own):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
@@ -38,6 +38,17 @@ class Trace:
 
     inputs: torch.Tensor  # layer inputs (token ids for an embedding), detached
     grads: torch.Tensor  # gradient of Σ_i loss_i w.r.t. the layer's outputs
+    _active: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def active(self) -> torch.Tensor:
+        """[B, positions] bool: where the output gradient is nonzero (computed once).
+
+        The other positions — padding, and at the LM head every prompt token without a label —
+        add nothing to any per-example gradient, so the kernels may skip them exactly.
+        """
+        if self._active is None:
+            self._active = self.grads.ne(0).any(dim=-1)
+        return self._active
 
     def without(self, dropped: torch.Tensor) -> "Trace":
         """The trace with the dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN)."""
@@ -72,6 +83,15 @@ class Layer(ABC):
     @abstractmethod
     def clipped_sums(self, trace: Trace, scale_of: ScaleOf) -> dict[str, torch.Tensor]:
         """Parameter name → Σ_i scale_i g_i in fp32, shaped like the parameter."""
+
+    def add_clipped_sums(self, trace: Trace, scale_of: ScaleOf, sums: dict[str, torch.Tensor]) -> None:
+        """Add this module's clipped sums into `sums` (name → fp32 tensor; absent names are set).
+
+        What the engine calls. Rules whose sums are large (a vocabulary-sized head or embedding)
+        override it to write into an existing sum directly, as a tied weight's second use does.
+        """
+        for name, values in self.clipped_sums(trace, scale_of).items():
+            sums[name] = sums[name].add_(values) if name in sums else values
 
 
 LAYER_RULES: dict[type[nn.Module], type[Layer]] = {}
@@ -120,22 +140,29 @@ class AffineLayer(Layer):
         out = {}
         if "weight" in self.names:
             ghost = prefers_ghost(self.weight_norms, a.shape[1], a.shape[2], b.shape[2])
-            out[self.names["weight"]] = ghost_weight_norms(a, b) if ghost else direct_weight_norms(a, b, self.direct_dtype)
+            if ghost:
+                out[self.names["weight"]] = ghost_weight_norms(a, b, trace.active())
+            else:
+                out[self.names["weight"]] = direct_weight_norms(a, b, self.direct_dtype)
         if "bias" in self.names:
             out[self.names["bias"]] = b.float().sum(1).square().sum(1)
         return out
 
     def clipped_sums(self, trace, scale_of):
+        sums: dict[str, torch.Tensor] = {}
+        self.add_clipped_sums(trace, scale_of, sums)
+        return sums
+
+    def add_clipped_sums(self, trace, scale_of, sums):
         a, b = trace.inputs, trace.grads
-        out = {}
         if "weight" in self.names:
             name = self.names["weight"]
             # Linear's gradient is bᵀa (out, in); Conv1D stores its transpose aᵀb (in, out).
-            out[name] = weighted_outer_sum(a, b, scale_of(name), out_in=not self.in_out)
+            sums[name] = weighted_outer_sum(a, b, scale_of(name), not self.in_out, sums.get(name), trace.active())
         if "bias" in self.names:
             name = self.names["bias"]
-            out[name] = torch.einsum("b,btj->j", scale_of(name), b.float())
-        return out
+            bias = torch.einsum("b,btj->j", scale_of(name), b.float())
+            sums[name] = sums[name].add_(bias) if name in sums else bias
 
 
 @register_layer(nn.Embedding)
@@ -175,11 +202,17 @@ class EmbeddingLayer(Layer):
         return {self.names["weight"]: squared.index_add_(0, pairs // vocab, rows.square().sum(1))}
 
     def clipped_sums(self, trace, scale_of):
+        sums: dict[str, torch.Tensor] = {}
+        self.add_clipped_sums(trace, scale_of, sums)
+        return sums
+
+    def add_clipped_sums(self, trace, scale_of, sums):
         ids, b = trace.inputs, trace.grads
         name = self.names["weight"]
         scaled = b.float() * scale_of(name)[:, None, None]
-        out = torch.zeros(self.module.weight.shape, dtype=torch.float32, device=b.device)
-        return {name: out.index_add_(0, ids.flatten(), scaled.reshape(-1, b.shape[2]))}
+        if name not in sums:
+            sums[name] = torch.zeros(self.module.weight.shape, dtype=torch.float32, device=b.device)
+        sums[name].index_add_(0, ids.flatten(), scaled.reshape(-1, b.shape[2]))
 
 
 class NormLayer(Layer):

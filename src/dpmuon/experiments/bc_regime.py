@@ -1,0 +1,141 @@
+"""When does DP-MuonBC help? The regime map of results/bc_regime/.
+
+    python -m dpmuon.experiments.bc_regime run [--jobs 2]   # every run (resumable; skips what is done)
+    python -m dpmuon.experiments.bc_regime list             # the runs, in the order they are run
+
+The committed CPU study's setting (experiment=cpu_e2e: the publicly pretrained tiny model, lot
+256, 100 steps, per-matrix C = 0.1) with oracle alignment diagnostics on, at the learning rate
+each optimizer's committed finals use:
+
+- the map: DP-Muon and DP-MuonBC at ε ∈ EPSILONS (σ shrinks, the buffers' SNR rises), seeds 0-2;
+- a learning-rate check at the largest ε (LR_CHECK × the committed rate, seed 0);
+- ablations of DP-MuonBC at ε = 8: probe scale ρ/s, K probe pairs, the min_snr gate.
+
+Pairing: the runs of one seed index share a mechanism seed (the same lots and the same noise
+draws for both optimizers), drawn once from OS entropy and kept in the working directory
+(mode 0600, never published). Runs that share noise are a measurement, not a private release:
+publishing two of them reveals the difference of their noise-free sums, so the study-level ε of
+results/bc_regime composes nothing — each run's own ε holds for that run alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .jobs import REPO, Job, publish, run_job
+
+EPSILONS = (8, 32, 128, 1024)
+SEEDS = (0, 1, 2)
+OPTIMIZERS = ("dp_muon", "dp_muonbc")
+LR_CHECK = (0.3, 3.0)  # × the committed rate, at the largest ε (1× is the map's own run)
+ABLATIONS = {  # DP-MuonBC at ε = 8: name → overrides
+    "probe2": ("optimizer.bias_correction.probe_scale=2.0",),
+    "probe4": ("optimizer.bias_correction.probe_scale=4.0",),
+    "k4": ("optimizer.bias_correction.num_probes=4",),
+    "gate0.01": ("optimizer.bias_correction.min_snr=0.01",),
+    "gate0.1": ("optimizer.bias_correction.min_snr=0.1",),
+}
+STUDY_RUNS = REPO / "results" / "e2e" / "runs"  # the committed study, whose rates are reused
+
+
+def committed_rate(optimizer: str, study_runs: Path = STUDY_RUNS) -> float:
+    """The learning rate the committed study's finals of `optimizer` used (selected by its tuning)."""
+    config = OmegaConf.load(study_runs / f"{optimizer}_seed0" / "config.yaml")
+    return float(config.optimizer.lr)
+
+
+def run_overrides(optimizer: str, lr: float, epsilon: float, seed: int) -> tuple[str, ...]:
+    return (
+        "experiment=cpu_e2e", f"optimizer={optimizer}", f"optimizer.lr={lr:g}", f"optimizer.adam.lr={lr:g}",
+        f"privacy.target_epsilon={epsilon:g}", f"seed={seed}", "logging.oracle_alignment=true",
+    )
+
+
+def jobs(rates: dict[str, float], mechanism_seed) -> list[Job]:
+    """Seed-major, the map before the checks: a sweep cut short still has paired, complete seeds.
+
+    mechanism_seed: seed index → its secret mechanism seed (one per pair).
+    """
+    out = []
+    for seed in SEEDS:
+        secret = (f"privacy.mechanism_seed={mechanism_seed(seed)}",)
+        for epsilon in EPSILONS:
+            for opt in OPTIMIZERS:
+                out.append(Job(f"{opt}_eps{epsilon}_seed{seed}", "runs", run_overrides(opt, rates[opt], epsilon, seed), secret))
+    secret0 = (f"privacy.mechanism_seed={mechanism_seed(0)}",)
+    top = max(EPSILONS)
+    for factor in LR_CHECK:
+        for opt in OPTIMIZERS:
+            lr = rates[opt] * factor
+            out.append(Job(f"{opt}_eps{top}_lr{lr:g}_seed0", "lr_check", run_overrides(opt, lr, top, 0), secret0))
+    for seed in SEEDS:
+        secret = (f"privacy.mechanism_seed={mechanism_seed(seed)}",)
+        for name, extra in ABLATIONS.items():
+            out.append(Job(f"dp_muonbc_{name}_eps8_seed{seed}", "ablations", run_overrides("dp_muonbc", rates["dp_muonbc"], 8, seed) + extra, secret))
+    return out
+
+
+class MechanismSeeds:
+    """The sweep's secret mechanism seeds, one per seed index, drawn from OS entropy on first use
+    and kept (mode 0600) in the working directory so that resumed and later runs pair up."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.seeds: dict[str, int] = json.loads(path.read_text()) if path.exists() else {}
+
+    def __call__(self, seed: int) -> int:
+        if str(seed) not in self.seeds:
+            self.seeds[str(seed)] = secrets.randbits(63)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.seeds, f)
+        return self.seeds[str(seed)]
+
+
+def publish_public_model(dest: Path) -> None:
+    """The provenance of the public model every run starts from: its pretraining run's files
+    and the weights' fingerprint (a rebuild draws other lots, so it is another model)."""
+    from ..models import load_pretrained, weights_fingerprint
+
+    public_run = REPO / "outputs" / "public_for_e2e" / "seed0"
+    if (dest / "weights_sha256.txt").exists() or not (public_run / "summary.json").exists():
+        return
+    publish(public_run, dest)
+    (dest / "weights_sha256.txt").write_text(weights_fingerprint(load_pretrained(str(REPO / "models" / "public-for-e2e"))) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("run", "list"))
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
+    parser.add_argument("--work", type=Path, default=REPO / "outputs" / "bc_regime", help="working run directories")
+    parser.add_argument("--results", type=Path, default=REPO / "results" / "bc_regime")
+    args = parser.parse_args(argv)
+
+    rates = {opt: committed_rate(opt) for opt in OPTIMIZERS}
+    if args.command == "list":
+        for job in jobs(rates, lambda seed: "<secret>"):
+            print(job.stage, job.name, " ".join(job.overrides))
+        return 0
+    if not (REPO / "models" / "public-for-e2e").exists():
+        raise SystemExit("models/public-for-e2e is missing: make models/public-for-e2e")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    publish_public_model(args.results / "public_pretraining")
+    todo = jobs(rates, MechanismSeeds(args.work / "mechanism_seeds.json"))
+    print(f"bc_regime: {len(todo)} runs, {args.jobs} at a time; rates {rates}", flush=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda job: run_job(job, args.work, args.results, threads=1), todo))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Jobs of a multi-run experiment: run (or resume, or skip) one training run in a subprocess
+and publish its small files under results/ the moment it ends."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+# Published per run: the record, without checkpoints or mechanism state.
+PUBLISHED_FILES = {"summary.json": "summary.json", "metrics.jsonl": "metrics.jsonl", ".hydra/config.yaml": "config.yaml", "generations.txt": "generations.txt"}
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    stage: str  # the folder it is published in: "tuning", "runs", ...
+    overrides: tuple[str, ...]
+    secret_overrides: tuple[str, ...] = ()  # passed to the run, never printed (a mechanism seed)
+
+
+def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
+    """Run (or resume, or skip) one job and return its published copy under `results`.
+
+    Its working directory (with checkpoints) lives under `work`. A run already published under
+    `results` is not run again, even when its working directory is gone (the committed record
+    is the result; re-running would replace it with another draw). A job another runner holds
+    (its lock file names a live process) is skipped: two runners may share one job list.
+    """
+    run_dir = work / job.stage / job.name
+    published = results / job.stage / job.name
+    if (run_dir / "summary.json").exists():
+        publish(run_dir, published)
+        return published
+    if (published / "summary.json").exists():
+        return published
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / "runner.lock"
+    if not _take(lock):
+        print(f"  {job.stage}/{job.name}: held by another runner, skipped", flush=True)
+        return published
+    try:
+        if (run_dir / ".hydra" / "config.yaml").exists():
+            cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume"]
+        else:
+            cmd = [
+                sys.executable, "-m", "dpmuon.train", *job.overrides, *job.secret_overrides,
+                f"hydra.run.dir={run_dir}", f"trainer.num_threads={threads}", "logging.progress=false",
+            ]
+        start = time.time()
+        with open(work / job.stage / f"{job.name}.log", "a") as log:
+            done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise SystemExit(f"{job.name} failed (exit {done.returncode}); see {work / job.stage / (job.name + '.log')}")
+        print(f"  {job.stage}/{job.name}: {time.time() - start:.0f} s", flush=True)
+        publish(run_dir, published)  # at once: a run is on record (and committable) as soon as it ends
+    finally:
+        lock.unlink(missing_ok=True)
+    return published
+
+
+def _take(lock: Path) -> bool:
+    """Create the lock with this process's id; a lock left by a dead process is taken over."""
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(lock.read_text() or 0), 0)
+            return False
+        except (ProcessLookupError, ValueError):
+            lock.unlink(missing_ok=True)
+            return _take(lock)
+        except PermissionError:  # alive, another user's
+            return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def publish(run_dir: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for source, target in PUBLISHED_FILES.items():
+        if (run_dir / source).exists():
+            shutil.copyfile(run_dir / source, dest / target)
