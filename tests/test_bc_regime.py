@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -73,3 +74,43 @@ def test_a_job_held_by_a_live_runner_is_skipped_and_a_dead_runners_lock_is_taken
     monkeypatch.setattr(jobs_module.subprocess, "run", finish)
     published = run_job(job, tmp_path / "work", tmp_path / "results", threads=1)
     assert len(calls) == 1 and (published / "summary.json").exists() and not (run_dir / "runner.lock").exists()
+
+
+def _fake_run(root, stage, name, optimizer, test_nll, snr=0.01, gain=0.02, lr=0.01):
+    run = root / stage / name
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"optimizer": optimizer, "test_nll": test_nll, "val_nll": test_nll - 0.1, "epsilon": 7.99}))
+    (run / "config.yaml").write_text(f"optimizer:\n  lr: {lr}\n")
+    rows = [{"step": 1, "snr_median": snr / 2}]  # a row without oracle fields is skipped
+    rows += [
+        {"step": s, "snr_median": snr / 2, "oracle_snr_median": snr, "oracle_snr": {"w": snr, "v": snr},
+         "oracle_cos_plain": {"w": 0.5, "v": 0.5}, "oracle_cos_bc": {"w": 0.5 + gain, "v": 0.5 + gain},
+         "oracle_cos_plain_median": 0.5, "oracle_cos_bc_median": 0.5 + gain}
+        for s in (2, 3)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
+    from dpmuon.experiments import bc_regime_report as report
+
+    for seed, (muon, bc) in enumerate([(2.70, 2.80), (2.75, 2.80)]):
+        _fake_run(tmp_path, "runs", f"dp_muon_eps8_seed{seed}", "dp_muon", muon, snr=0.02 * (seed + 1))
+        _fake_run(tmp_path, "runs", f"dp_muonbc_eps8_seed{seed}", "dp_muonbc", bc)
+    _fake_run(tmp_path, "runs", "dp_muon_eps32_seed0", "dp_muon", 2.5)  # its pair is missing
+    _fake_run(tmp_path, "ablations", "dp_muonbc_probe2_eps8_seed0", "dp_muonbc", 2.60)
+    _fake_run(tmp_path, "lr_check", "dp_muon_eps1024_lr0.003_seed0", "dp_muon", 2.4, lr=0.003)
+    written = report.write_report(tmp_path)
+    table = (tmp_path / "regime.md").read_text()
+    row8 = next(line for line in table.splitlines() if line.startswith("| 8 |"))
+    assert "+0.0750 ± 0.0354 (+0.1000, +0.0500)" in row8  # BC − Muon, per seed
+    assert "| 0.03 |" in row8  # median true SNR over both DP-Muon runs' steps: median of 0.02, 0.02, 0.04, 0.04
+    row32 = next(line for line in table.splitlines() if line.startswith("| 32 |"))
+    assert "2.5000 (1 seed)" in row32 and report.NOT_RUN in row32  # no DP-MuonBC run: said, not filled
+    assert next(line for line in table.splitlines() if line.startswith("| probe2 |")).count("-0.1000 (1 pair)") == 1
+    assert "| dp_muon | 0.003 |" in table
+    csv_rows = (tmp_path / "regime.csv").read_text().splitlines()
+    assert csv_rows[1].startswith("8,2,") and csv_rows[3].startswith("128,0,,,")
+    before = [p.read_bytes() for p in written]
+    report.write_report(tmp_path)
+    assert [p.read_bytes() for p in written] == before  # tables and figures regenerate byte for byte

@@ -43,6 +43,17 @@ ABLATIONS = {  # DP-MuonBC at ε = 8: name → overrides
     "gate0.01": ("optimizer.bias_correction.min_snr=0.01",),
     "gate0.1": ("optimizer.bias_correction.min_snr=0.1",),
 }
+# The pretrained regime: DP-Muon at the paper's noise multiplier (σ for ε = 8 over 10 epochs at
+# lot 1024 on E2E's N = 42,061, δ = 8e-6: `python -m dpmuon.privacy --epsilon 8 --delta 8e-6
+# --sample-rate 0.0243456 --epochs 10`) for 20 steps at two lots the CPU allows, for the local
+# SmolLM2-135M and for the tiny public model; two lots separate the signal's energy from its
+# sampling variance (see bc_regime_report.extrapolate_snr).
+PAPER_SIGMA = 0.68329
+PRETRAINED_LOTS = (8, 16)
+PRETRAINED_MODELS = {
+    "smollm2": ("dataset=e2e", "model=smollm2_135m", "model.name_or_path=models/smollm2"),
+    "tiny": ("experiment=cpu_e2e",),
+}
 STUDY_RUNS = REPO / "results" / "e2e" / "runs"  # the committed study, whose rates are reused
 
 
@@ -83,6 +94,19 @@ def jobs(rates: dict[str, float], mechanism_seed) -> list[Job]:
     return out
 
 
+def pretrained_jobs() -> list[Job]:
+    return [
+        Job(
+            f"{model}_lot{lot}", "pretrained",
+            (*overrides, "optimizer=dp_muon", f"privacy.noise_multiplier={PAPER_SIGMA}", f"privacy.expected_lot_size={lot}",
+             "trainer.steps=20", "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.checkpoint_every=5",
+             "eval.test=false", "eval.validation=false", "logging.oracle_alignment=true", "seed=0"),
+        )
+        for model, overrides in PRETRAINED_MODELS.items()
+        for lot in PRETRAINED_LOTS
+    ]
+
+
 class MechanismSeeds:
     """The sweep's secret mechanism seeds, one per seed index, drawn from OS entropy on first use
     and kept (mode 0600) in the working directory so that resumed and later runs pair up."""
@@ -116,21 +140,27 @@ def publish_public_model(dest: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("run", "list"))
+    parser.add_argument("--stage", choices=("all", "map", "pretrained"), default="all", help="map: the ε sweep, its checks and ablations")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "bc_regime", help="working run directories")
     parser.add_argument("--results", type=Path, default=REPO / "results" / "bc_regime")
     args = parser.parse_args(argv)
 
     rates = {opt: committed_rate(opt) for opt in OPTIMIZERS}
+
+    def selected(mechanism_seed) -> list[Job]:
+        return (jobs(rates, mechanism_seed) if args.stage != "pretrained" else []) + (pretrained_jobs() if args.stage != "map" else [])
+
     if args.command == "list":
-        for job in jobs(rates, lambda seed: "<secret>"):
+        for job in selected(lambda seed: "<secret>"):
             print(job.stage, job.name, " ".join(job.overrides))
         return 0
-    if not (REPO / "models" / "public-for-e2e").exists():
-        raise SystemExit("models/public-for-e2e is missing: make models/public-for-e2e")
+    for needed in ("public-for-e2e", "smollm2") if args.stage != "map" else ("public-for-e2e",):
+        if not (REPO / "models" / needed).exists():
+            raise SystemExit(f"models/{needed} is missing: make models/{needed}")
     os.environ.setdefault("WANDB_MODE", "disabled")
     publish_public_model(args.results / "public_pretraining")
-    todo = jobs(rates, MechanismSeeds(args.work / "mechanism_seeds.json"))
+    todo = selected(MechanismSeeds(args.work / "mechanism_seeds.json"))
     print(f"bc_regime: {len(todo)} runs, {args.jobs} at a time; rates {rates}", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: run_job(job, args.work, args.results, threads=1), todo))

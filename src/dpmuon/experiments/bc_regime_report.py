@@ -1,0 +1,292 @@
+"""The regime map's report, from the published runs of results/bc_regime/ only.
+
+    python -m dpmuon.experiments.bc_regime_report [results/bc_regime]
+
+Writes regime.md (the map per ε, the learning-rate check, the ablations), regime.csv (one row
+per ε), delta_vs_snr.png (paired ΔNLL against the buffers' median true SNR) and
+gain_vs_snr.png (alignment gain cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩ against the true SNR,
+per matrix and step, binned). A cell whose runs are not published yet says so.
+
+The true SNR and the alignment come from the oracle diagnostics of the DP-Muon run of each
+pair (both runs log them; DP-Muon's buffers are the ones DP-MuonBC would correct).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from omegaconf import OmegaConf
+
+from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, SEEDS
+
+NOT_RUN = "not run yet"
+_PNG_METADATA = {"Software": None}  # no matplotlib version stamp: reproducible files
+_NAME = re.compile(r"(?P<opt>dp_muonbc|dp_muon)(?:_(?P<variant>[a-z0-9.]+?))?_eps(?P<eps>\d+)(?:_lr[0-9.e-]+)?_seed(?P<seed>\d+)$")
+
+
+@dataclass
+class RegimeRun:
+    name: str
+    stage: str
+    optimizer: str
+    variant: str | None  # an ablation's name
+    epsilon: int
+    lr: float  # the run's optimizer.lr
+    seed: int
+    test_nll: float | None
+    val_nll: float | None
+    epsilon_spent: float | None
+    snr: list[float] = field(default_factory=list)  # per step: median true SNR over matrices
+    estimated_snr: list[float] = field(default_factory=list)  # per step: the public estimate's median
+    gain: list[float] = field(default_factory=list)  # per step: median over matrices of cos_bc − cos_plain
+    pairs: list[tuple[float, float]] = field(default_factory=list)  # (true SNR, gain) per matrix and step
+
+
+def load_runs(root: Path) -> list[RegimeRun]:
+    runs = []
+    for summary_path in sorted(root.glob("*/*/summary.json")):
+        run_dir = summary_path.parent
+        match = _NAME.match(run_dir.name)
+        if match is None:
+            continue
+        summary = json.loads(summary_path.read_text())
+        run = RegimeRun(
+            run_dir.name, run_dir.parent.name, match["opt"], match["variant"], int(match["eps"]),
+            float(OmegaConf.load(run_dir / "config.yaml").optimizer.lr), int(match["seed"]),
+            summary.get("test_nll"), summary.get("val_nll"), summary.get("epsilon"),
+        )
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if "oracle_snr" not in row:
+                continue
+            gains = {k: row["oracle_cos_bc"][k] - row["oracle_cos_plain"][k] for k in row["oracle_snr"]}
+            run.snr.append(row["oracle_snr_median"])
+            run.gain.append(statistics.median(gains.values()))
+            if row.get("snr_median") is not None:
+                run.estimated_snr.append(row["snr_median"])
+            run.pairs.extend((row["oracle_snr"][k], g) for k, g in gains.items() if math.isfinite(g))
+        runs.append(run)
+    return runs
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return NOT_RUN if value is None else format(value, spec)
+
+
+def _mean_sd(values: list[float]) -> str:
+    if not values:
+        return NOT_RUN
+    if len(values) == 1:
+        return f"{values[0]:.4f} (1 seed)"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def _find(runs: list[RegimeRun], stage: str, optimizer: str, epsilon: int, seed: int, variant: str | None = None):
+    for run in runs:
+        if (run.stage, run.optimizer, run.epsilon, run.seed, run.variant) == (stage, optimizer, epsilon, seed, variant):
+            return run
+    return None
+
+
+@dataclass
+class MapRow:
+    epsilon: int
+    muon: list[float]
+    bc: list[float]
+    deltas: list[float]  # paired, per seed with both runs
+    snr: float | None  # median over the DP-Muon runs' steps
+    estimated_snr: float | None
+    gain: float | None
+
+
+def map_rows(runs: list[RegimeRun]) -> list[MapRow]:
+    rows = []
+    for epsilon in EPSILONS:
+        muon, bc, deltas, snr, estimated, gain = [], [], [], [], [], []
+        for seed in SEEDS:
+            a, b = (_find(runs, "runs", opt, epsilon, seed) for opt in OPTIMIZERS)
+            if a is not None and a.test_nll is not None:
+                muon.append(a.test_nll)
+                snr += a.snr
+                estimated += a.estimated_snr
+                gain += a.gain
+            if b is not None and b.test_nll is not None:
+                bc.append(b.test_nll)
+            if a is not None and b is not None and a.test_nll is not None and b.test_nll is not None:
+                deltas.append(b.test_nll - a.test_nll)
+        rows.append(MapRow(epsilon, muon, bc, deltas, _median(snr), _median(estimated), _median(gain)))
+    return rows
+
+
+def _delta_cell(deltas: list[float]) -> str:
+    if not deltas:
+        return NOT_RUN
+    values = ", ".join(f"{d:+.4f}" for d in deltas)
+    if len(deltas) == 1:
+        return f"{deltas[0]:+.4f} (1 pair)"
+    return f"{statistics.mean(deltas):+.4f} ± {statistics.stdev(deltas):.4f} ({values})"
+
+
+def regime_markdown(runs: list[RegimeRun]) -> str:
+    lines = [
+        "# DP-MuonBC against DP-Muon across the SNR regime (E2E, tiny public model, lot 256, 100 steps)",
+        "",
+        "Test NLL: mean ± sd over seeds. Δ = DP-MuonBC − DP-Muon, paired by seed index (shared lots and "
+        "noise); negative means the correction helped. SNR: median over the DP-Muon runs' steps of the "
+        "median over matrices; true = ‖M₀‖²/(s²mn) of the noise-free buffer, estimated = the public "
+        "estimate the optimizer sees. Gain: median of cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩.",
+        "",
+        "| target ε | DP-Muon test NLL | DP-MuonBC test NLL | paired Δ NLL (per seed) | median true SNR | median estimated SNR | median alignment gain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in map_rows(runs):
+        lines.append(
+            f"| {row.epsilon} | {_mean_sd(row.muon)} | {_mean_sd(row.bc)} | {_delta_cell(row.deltas)} | "
+            f"{_fmt(row.snr, '.3g')} | {_fmt(row.estimated_snr, '.3g')} | {_fmt(row.gain, '+.4f')} |"
+        )
+    top = max(EPSILONS)
+    lines += [
+        "",
+        f"## Learning-rate check at ε = {top} (seed 0, validation and test NLL)",
+        "",
+        "| optimizer | learning rate | validation NLL | test NLL |",
+        "|---|---|---|---|",
+    ]
+    for opt in OPTIMIZERS:
+        base = _find(runs, "runs", opt, top, 0)
+        entries = [r for r in runs if r.stage == "lr_check" and r.optimizer == opt] + ([base] if base else [])
+        for run in sorted(entries, key=lambda r: r.lr):
+            shown = f"{run.lr:g}" + (" (committed)" if run is base else "")
+            lines.append(f"| {opt} | {shown} | {_fmt(run.val_nll)} | {_fmt(run.test_nll)} |")
+        if not entries:
+            lines.append(f"| {opt} | – | {NOT_RUN} | {NOT_RUN} |")
+    lines += [
+        "",
+        "## Ablations of DP-MuonBC at ε = 8 (paired Δ against DP-Muon of the same seed)",
+        "",
+        "| variant | overrides | DP-MuonBC test NLL | paired Δ NLL (per seed) | median alignment gain |",
+        "|---|---|---|---|---|",
+    ]
+    for name, overrides in {"paper (ρ/s = 1, K = 1, no gate)": (), **ABLATIONS}.items():
+        variant = None if not overrides else name
+        nll, deltas, gains = [], [], []
+        for seed in SEEDS:
+            stage = "runs" if variant is None else "ablations"
+            run, base = _find(runs, stage, "dp_muonbc", 8, seed, variant), _find(runs, "runs", "dp_muon", 8, seed)
+            if run is None or run.test_nll is None:
+                continue
+            nll.append(run.test_nll)
+            gains += run.gain
+            if base is not None and base.test_nll is not None:
+                deltas.append(run.test_nll - base.test_nll)
+        shown = " ".join(f"`{o}`" for o in overrides) or "–"
+        lines.append(f"| {name} | {shown} | {_mean_sd(nll)} | {_delta_cell(deltas)} | {_fmt(_median(gains), '+.4f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def regime_csv(runs: list[RegimeRun]) -> str:
+    lines = ["target_epsilon,seeds_paired,muon_test_nll_mean,bc_test_nll_mean,delta_mean,delta_sd,median_true_snr,median_estimated_snr,median_gain"]
+
+    def cell(v):
+        return "" if v is None else repr(float(v))
+
+    for row in map_rows(runs):
+        mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
+        sd = statistics.stdev(row.deltas) if len(row.deltas) > 1 else None
+        lines.append(",".join([str(row.epsilon), str(len(row.deltas)), cell(mean(row.muon)), cell(mean(row.bc)), cell(mean(row.deltas)), cell(sd), cell(row.snr), cell(row.estimated_snr), cell(row.gain)]))
+    return "\n".join(lines) + "\n"
+
+
+def _save(fig: Figure, path: Path) -> None:
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=120, metadata=_PNG_METADATA)
+
+
+def delta_figure(runs: list[RegimeRun], path: Path) -> None:
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for epsilon in EPSILONS:
+        points = []
+        for seed in SEEDS:
+            a, b = _find(runs, "runs", "dp_muon", epsilon, seed), _find(runs, "runs", "dp_muonbc", epsilon, seed)
+            if a and b and a.test_nll is not None and b.test_nll is not None and a.snr:
+                points.append((statistics.median(a.snr), b.test_nll - a.test_nll))
+        if points:
+            ax.scatter(*zip(*points), label=f"ε = {epsilon}", s=28)
+    for name in ABLATIONS:
+        points = []
+        for seed in SEEDS:
+            a, b = _find(runs, "runs", "dp_muon", 8, seed), _find(runs, "ablations", "dp_muonbc", 8, seed, name)
+            if a and b and a.test_nll is not None and b.test_nll is not None and a.snr:
+                points.append((statistics.median(a.snr), b.test_nll - a.test_nll))
+        if points:
+            ax.scatter(*zip(*points), label=f"ε = 8, {name}", marker="x", s=28)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("median true SNR of DP-Muon's buffers")
+    ax.set_ylabel("test NLL: DP-MuonBC − DP-Muon (paired)")
+    ax.set_title("Does the bias correction pay off? (below 0: it helps)")
+    if ax.collections:
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def gain_figure(runs: list[RegimeRun], path: Path, bins_per_decade: int = 2) -> None:
+    pairs = [(s, g) for r in runs if r.stage == "runs" and r.optimizer == "dp_muon" for s, g in r.pairs if s > 0 and math.isfinite(s)]
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    if pairs:
+        snr, gain = np.array(pairs).T
+        edges = 10.0 ** np.arange(math.floor(np.log10(snr.min()) * bins_per_decade) / bins_per_decade, np.log10(snr.max()) + 1 / bins_per_decade, 1 / bins_per_decade)
+        centers, med, low, high = [], [], [], []
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            inside = gain[(snr >= lo) & (snr < hi)]
+            if len(inside):
+                centers.append(math.sqrt(lo * hi))
+                med.append(np.median(inside))
+                low.append(np.quantile(inside, 0.25))
+                high.append(np.quantile(inside, 0.75))
+        ax.plot(centers, med, marker="o", color="#d62728", label="median over matrices × steps")
+        ax.fill_between(centers, low, high, color="#d62728", alpha=0.2, label="interquartile range")
+        ax.legend(fontsize=8)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("true SNR ‖M₀‖²/(s²mn) (per matrix and step)")
+    ax.set_ylabel("cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩")
+    ax.set_title("Alignment gain of the correction against the true SNR (DP-Muon runs)")
+    _save(fig, path)
+
+
+def write_report(root: Path) -> list[Path]:
+    runs = load_runs(root)
+    written = [root / "regime.md", root / "regime.csv", root / "delta_vs_snr.png", root / "gain_vs_snr.png"]
+    written[0].write_text(regime_markdown(runs))
+    written[1].write_text(regime_csv(runs))
+    delta_figure(runs, written[2])
+    gain_figure(runs, written[3])
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    root = Path(argv[0]) if argv else Path(__file__).resolve().parents[3] / "results" / "bc_regime"
+    for path in write_report(root):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
