@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-slow data smoke bench-bias bench-step audit audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
+.PHONY: help setup lint test test-slow data smoke bench-bias bench-step audit audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
 
 help: ## List every target with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
@@ -20,6 +20,9 @@ setup: ## Create .venv/ and install dpmuon (editable) with the dev extra
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+
+lint: ## Static checks: ruff (pyflakes, pycodestyle, import order, pyupgrade, bugbear), configured in pyproject.toml
+	$(PYTHON) -m ruff check .
 
 test: ## Run the default test suite (offline, CPU; excludes slow and gpu markers)
 	$(PYTHON) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)

@@ -4,7 +4,7 @@ Trains with canaries through the real mechanism (the training loop's Poisson lot
 Privatizer's clipping + calibrated noise + accountant, SGD on the release), scores every
 canary by the likelihood ratio of all its releases, and turns a membership test on the
 canaries into a lower bound on ε at confidence 1 − β (Steinke, Nasr & Jagielski 2023, one-run
-auditing; see dpmuon.privacy.audit). The correct mechanism must stay below the accountant's ε;
+auditing; see dpmuon.audit). The correct mechanism must stay below the accountant's ε;
 the deliberately broken ones (noise ÷ 10, noise ÷ 2, noise calibrated per block, clipping off)
 must be caught with a bound above it.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dpmuon.privacy.audit import (
+from dpmuon.audit import (
     BREAKS,
     METHOD,
     MODES,

@@ -78,11 +78,11 @@ class Config:
         return self.engine != "non-private"
 
     @property
-    def twin(self) -> "Config":
+    def twin(self) -> Config:
         return Config("non-private", "-", NON_PRIVATE_TWIN[self.optimizer]) if self.private else self
 
     @classmethod
-    def parse(cls, label: str) -> "Config":
+    def parse(cls, label: str) -> Config:
         return cls(*label.split("/"))
 
 
@@ -208,7 +208,7 @@ class Runner:
         return released - start, time.perf_counter() - released
 
 
-def measure_throughput(configs: list[Config], args, batches, device) -> dict[Config, dict[str, list[float]]]:
+def measure_throughput(configs: list[Config], args, batches, device) -> tuple[dict[Config, dict[str, list[float]]], dict[Config, Runner]]:
     runners = {c: Runner(c, args.model, args.lot, device) for c in configs}
     times = {c: {"release_s": [], "optimizer_s": []} for c in configs}
     for runner in runners.values():
@@ -220,7 +220,7 @@ def measure_throughput(configs: list[Config], args, batches, device) -> dict[Con
             times[config]["release_s"].append(release_s)
             times[config]["optimizer_s"].append(optimizer_s)
         print(f"  repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
-    return times
+    return times, runners
 
 
 # -- peak memory (in a fresh process per configuration) -----------------------------------------
@@ -297,6 +297,33 @@ def summarize(configs, times, peaks, lot: int) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+# -- where a private step's time goes ---------------------------------------------------------
+
+PHASES = ("forward", "backward", "norms", "bookkeeping", "lot_total", "noise", "ledger")
+
+
+def phase_seconds(runner: Runner, batches) -> dict[str, float]:
+    """One step under the profiler: seconds inside each `dpmuon.<phase>` region of the release
+    (forward / backward / norms / bookkeeping per micro-batch, summed; lot_total, noise and the
+    ledger per step), the rest of the release, and the optimizer step (Newton–Schulz for Muon).
+    The profiler's own overhead inflates every phase a little."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        release_s, optimizer_s = runner.step(batches)
+    inside = {e.key.removeprefix("dpmuon."): e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key.startswith("dpmuon.")}
+    out = {phase: inside.get(phase, 0.0) for phase in PHASES}
+    out["other release"] = max(0.0, release_s - sum(out.values()))
+    out["optimizer"] = optimizer_s
+    return out
+
+
+def print_phases(phases: dict[Config, dict[str, float]]) -> None:
+    names = [*PHASES, "other release", "optimizer"]
+    print(f"{'configuration':34} " + " ".join(f"{n:>13}" for n in names))
+    for config, seconds in phases.items():
+        total = sum(seconds.values())
+        print(f"{config.label:34} " + " ".join(f"{seconds[n]:6.2f}s {100 * seconds[n] / total:4.0f}%" for n in names))
+
+
 def print_table(rows: list[dict[str, Any]], memory_label: str) -> None:
     header = f"{'configuration':34} {'ex/s':>8} {'× np':>6} {'release s':>10} {'optim s':>8} {'optim %':>8} {memory_label:>14} {'× np':>6}"
     print(header)
@@ -327,6 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory-jobs", type=int, default=2, help="memory probes run at once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows and settings here")
+    parser.add_argument("--phases", action="store_true", help="also profile one step per private configuration: time per phase")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one configuration's peak
     parser.add_argument("--lot-file", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -353,7 +381,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.repeats} repeats, {len(configs)} configurations",
         file=sys.stderr, flush=True,
     )
-    times = measure_throughput(configs, args, [{k: v.to(device) for k, v in b.items()} for b in batches], device)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
+    times, runners = measure_throughput(configs, args, batches, device)
+    phases = {c: phase_seconds(runners[c], batches) for c in configs if c.private} if args.phases else {}
+    del runners
     peaks: dict[Config, float] = {}
     if args.memory == "subprocess":
         with tempfile.TemporaryDirectory() as tmp:
@@ -366,10 +397,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(configs, times, peaks, args.lot)
     memory_label = "peak MiB" if device.type == "cuda" else "peak RSS MiB"
     print_table(rows, memory_label)
+    if phases:
+        print()
+        print_phases(phases)
     if args.json:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("memory_probe", "lot_file")}
         meta = {"settings": settings, "threads": torch.get_num_threads(), "memory": memory_label, "torch": torch.__version__}
-        args.json.write_text(json.dumps({**meta, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({**meta, "rows": rows, "phases": {c.label: p for c, p in phases.items()}}, indent=2))
 
 
 if __name__ == "__main__":

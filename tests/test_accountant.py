@@ -103,6 +103,8 @@ def test_cli_prints_calibrated_sigma_as_json(accountant):
 
 
 def test_cli_rejects_bad_input_with_one_line():
-    out = subprocess.run([sys.executable, "-m", "dpmuon.privacy", "--epsilon", "-1", "--delta", "1e-5", "--sample-rate", "0.01", "--steps", "10"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "dpmuon.privacy", "--epsilon", "-1", "--delta", "1e-5", "--sample-rate", "0.01", "--steps", "10"], capture_output=True, text=True
+    )
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error:") and "Traceback" not in out.stderr

@@ -14,9 +14,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dpmuon.privacy import PoissonLotSampler, epsilon_after
-from dpmuon.privacy import audit as audit_module
-from dpmuon.privacy.audit import (
+from dpmuon.audit import (
     BREAK_LABELS,
     BREAKS,
     MODES,
@@ -37,6 +35,8 @@ from dpmuon.privacy.audit import (
     sampled_release_log_likelihood_ratio,
     train_and_score,
 )
+from dpmuon.audit import canaries as audit_module
+from dpmuon.privacy import PoissonLotSampler, epsilon_after
 
 QUICK_FAST, QUICK_OPACUS = MODES["quick"]
 (FULL_GPT2,) = [setup for setup in MODES["full"] if setup.model == "gpt2"]

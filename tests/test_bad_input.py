@@ -6,14 +6,22 @@ import subprocess
 import sys
 
 import pytest
+from helpers_train import compose_config, require_real_data
 
 from dpmuon.config.schema import ConfigError, blamed_on, validate
 from dpmuon.data import DataError
 from dpmuon.errors import UserError
 from dpmuon.training.loop import run
-from helpers_train import compose_config, require_real_data
 
-SMALL = ["experiment=smoke", "logging.progress=false", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.max_train_examples=100", "privacy.expected_lot_size=10"]
+SMALL = [
+    "experiment=smoke",
+    "logging.progress=false",
+    "model.n_layer=1",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "data.max_train_examples=100",
+    "privacy.expected_lot_size=10",
+]
 
 
 def e2e_prefix_root(tmp_path, train_lines: list[str]):
@@ -82,7 +90,11 @@ ONE_LINE_ERRORS = [
     ("optimizer.lr=-1", "optimizer.lr=-1: must be > 0; valid: a number > 0"),
     ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0: must be >= 1; valid: an integer >= 1"),
     ("privacy.target_epsilon=abc", "privacy.target_epsilon=abc: not a number; valid: a number > 0"),
-    ("model.name_or_path=/some/missing/dir", "model.name_or_path=/some/missing/dir: local directory not found: /some/missing/dir; valid: null or a local directory or a Hugging Face hub id (e.g. gpt2)"),
+    (
+        "model.name_or_path=/some/missing/dir",
+        "model.name_or_path=/some/missing/dir: local directory not found: /some/missing/dir; "
+        "valid: null or a local directory or a Hugging Face hub id (e.g. gpt2)",
+    ),
     ("privacy.delta=1.5", "privacy.delta=1.5: must be < 1; valid: a number > 0 and < 1"),
     ("trainer.steps=2.5", "trainer.steps=2.5: not an integer; valid: null or an integer >= 1"),
     ("eval.validation=maybe", "eval.validation=maybe: not true or false; valid: true or false"),
@@ -120,7 +132,9 @@ def test_mechanism_seed_value_is_never_printed():
 
 
 def test_library_errors_from_a_configured_value_name_the_key():
-    with pytest.raises(ConfigError, match=r"^model.name_or_path=gpt2: not a local directory, and the Hugging Face hub could not provide it .*model.name_or_path=/path/to/model"):
+    with pytest.raises(
+        ConfigError, match=r"^model.name_or_path=gpt2: not a local directory, and the Hugging Face hub could not provide it .*model.name_or_path=/path/to/model"
+    ):
         with blamed_on("model.name_or_path", "gpt2"):
             raise OSError("We couldn't connect to 'https://huggingface.co'\nmany more lines")
     with pytest.raises(ConfigError, match=r"^optimizer.warmup_steps=9: warmup must end"):

@@ -6,6 +6,8 @@ import json
 import os
 import stat
 
+import pytest
+
 from dpmuon.experiments import bc_regime
 from dpmuon.experiments import jobs as jobs_module
 from dpmuon.experiments.jobs import Job, run_job
@@ -114,3 +116,16 @@ def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
     before = [p.read_bytes() for p in written]
     report.write_report(tmp_path)
     assert [p.read_bytes() for p in written] == before  # tables and figures regenerate byte for byte
+
+
+def test_snr_extrapolation_recovers_mean_and_variance_from_two_lots():
+    """SNR_B ∝ E_B·B² with E_B = μ² + V/B: two lots give μ² and V, hence the SNR at lot 1024."""
+    from dpmuon.experiments.bc_regime_report import extrapolate_snr
+
+    mean, variance = 2e-9, 3e-7
+    snr = {b: (mean + variance / b) * b**2 for b in (8, 16)}
+    constant, fitted = extrapolate_snr(snr)
+    assert fitted == pytest.approx((mean + variance / 1024) * 1024**2, rel=1e-9)
+    assert constant == pytest.approx(snr[16] * 64**2) and constant > fitted  # (1) is the upper bound
+    assert extrapolate_snr({16: snr[16]}) == (constant, None)
+    assert extrapolate_snr({8: 1.0, 16: 1.0})[1] is None  # energy falling faster than 1/B: not resolved

@@ -10,15 +10,15 @@ import json
 
 import pytest
 import torch
+from conftest import VOCAB, tiny_gpt2
+from helpers_train import compose_config, require_real_data
 from omegaconf import OmegaConf
 
-from conftest import VOCAB, tiny_gpt2
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, build_engine, build_partition
 from dpmuon.privacy.accountant import epsilon_after
 from dpmuon.training.loop import autocast_factory, run
-from helpers_train import compose_config, require_real_data
 
 DP_OPTIMIZERS = ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
 SIGMA, SAMPLE_RATE, DELTA, CLIP = 0.3, 0.05, 1e-5, 1.0

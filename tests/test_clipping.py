@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import tiny_gpt2, token_batch
+
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import build_engine, build_partition, clip_factors
 
@@ -72,7 +72,9 @@ def test_threshold_rules_and_sensitivity():
     assert len(flat) == 1 and flat.sensitivity == 0.1
 
 
-@pytest.mark.parametrize("kwargs,message", [({"clip_mode": "per_row"}, "unknown clip mode"), ({"clip_norm": 0.0}, "clip norm"), ({"threshold_rule": "sqrt"}, "threshold rule")])
+@pytest.mark.parametrize(
+    "kwargs,message", [({"clip_mode": "per_row"}, "unknown clip mode"), ({"clip_norm": 0.0}, "clip norm"), ({"threshold_rule": "sqrt"}, "threshold rule")]
+)
 def test_bad_partition_settings_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_partition(["a"], **kwargs)

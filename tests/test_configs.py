@@ -6,16 +6,16 @@ import itertools
 from pathlib import Path
 
 import pytest
+from conftest import tiny_gpt2
+from helpers_train import compose_config, compose_many
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from conftest import tiny_gpt2
+from dpmuon.config.roster import kind_defaults, optimizer_names, optimizer_roster
 from dpmuon.models import hidden_matrices
 from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
-from dpmuon.config.roster import kind_defaults, optimizer_names, optimizer_roster
 from dpmuon.optim.registry import _completed
 from dpmuon.train import CONFIG_DIR
-from helpers_train import compose_config, compose_many
 
 GROUPS = {name: sorted(p.stem for p in (Path(CONFIG_DIR) / name).glob("*.yaml")) for name in ("optimizer", "dataset", "model", "privacy", "logger")}
 EXPERIMENTS = [None] + sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))

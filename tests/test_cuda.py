@@ -12,12 +12,12 @@ import os
 
 import pytest
 import torch
+from test_decoding import CharTokenizer
 
 from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, build_engine, build_partition
 from dpmuon.training.evaluation import decode
-from test_decoding import CharTokenizer
 
 pytestmark = pytest.mark.gpu
 

@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_gpt2, token_batch
+from test_bf16_cpu import one_thread  # noqa: F401  (autouse: one torch thread for these tiny models)
+from test_decoding import CharTokenizer
 from torch.overrides import TorchFunctionMode
 
 import dpmuon
-from conftest import token_batch, tiny_gpt2
 from dpmuon.data import EncodedExample
 from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
 from dpmuon.privacy import GaussianNoise, NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
 from dpmuon.training.evaluation import decode, token_nll
-from test_bf16_cpu import one_thread  # noqa: F401  (autouse: one torch thread for these tiny models)
-from test_decoding import CharTokenizer
 
 SOURCE = Path(dpmuon.__file__).resolve().parent
 
@@ -111,7 +111,7 @@ def exercise_private_steps(tie: bool, engine: str, clip_mode: str, secure: bool)
     named = dict(model.named_parameters())
     for kind, cfg in OPTIMIZER_CONFIGS.items():
         optimizer = build_optimizer(kind, OptimizerInputs(named, matrices, privatizer.release_noise_std(), torch.Generator()), cfg)
-        for step in range(2):  # the first step also creates the optimizer state
+        for _step in range(2):  # the first step also creates the optimizer state
             privatizer.release(lot_with_a_broken_example(), loss_with_nan_rows, step=None)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

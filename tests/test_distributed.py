@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import tiny_gpt2, token_batch
+from helpers_train import require_real_data
+
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.privacy import DataParallel, GaussianNoise, PrivacyAccountant, Privatizer, build_partition
-from helpers_train import require_real_data
 
 DATA = token_batch(40, seed=11)
 LOTS = [[0, 3, 4, 9, 12, 15, 21, 30, 33], [1, 2, 8, 17, 25, 39], [5, 6, 7, 10, 11, 13, 14, 16, 18, 19, 20]]
@@ -46,7 +46,12 @@ def train_steps(parallel: DataParallel) -> dict:
         lot_sizes.append(stats.lot_size)
         optimizer.step()
         optimizer.zero_grad()
-    return {"released": released, "params": {n: p.detach().clone() for n, p in model.named_parameters()}, "lot_sizes": lot_sizes, "steps": privatizer.accountant.steps}
+    return {
+        "released": released,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "lot_sizes": lot_sizes,
+        "steps": privatizer.accountant.steps,
+    }
 
 
 def _worker(rank: int, init_file: str, out: str) -> None:
@@ -93,10 +98,15 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     """The whole driver under torchrun (gloo): same ε, metrics and final weights as one process."""
     require_real_data()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, "-m", "dpmuon.train", *TORCHRUN_TINY, f"hydra.run.dir={tmp_path / 'one'}"], capture_output=True, text=True, env=env, timeout=600)
+    single = subprocess.run(
+        [sys.executable, "-m", "dpmuon.train", *TORCHRUN_TINY, f"hydra.run.dir={tmp_path / 'one'}"], capture_output=True, text=True, env=env, timeout=600
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     double = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dpmuon.train", *TORCHRUN_TINY, f"hydra.run.dir={tmp_path / 'two'}"],
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "dpmuon.train", *TORCHRUN_TINY, f"hydra.run.dir={tmp_path / 'two'}",
+        ],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert double.returncode == 0, double.stderr[-3000:]

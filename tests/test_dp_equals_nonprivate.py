@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_gpt2, token_batch
+
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import VOCAB, tiny_gpt2, token_batch
 from torch import nn
 
-from conftest import VOCAB, tiny_gpt2, token_batch
 from dpmuon.models import hidden_matrices, per_example_lm_loss, position_ids_for
 from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition, clip_factors, per_example_block_norms
 from dpmuon.privacy.engines.fast import FastEngine, prefers_ghost

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers_train import require_real_data
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB
 from opacus.grad_sample.utils import GradSampleHooks, GradSampleHooksFastGradientClipping
+from test_fast_engine import assert_close_dicts, assert_close_norms, naive_reference
 from torch import nn
 
-from conftest import VOCAB
 from dpmuon.privacy import build_engine, build_partition
 from dpmuon.privacy.engines import register_rms_norm
-from dpmuon.privacy.engines.opacus_samplers import rms_norm_grad_sample
 from dpmuon.privacy.engines.fast import LAYER_RULES, FastEngine, Layer, RMSNormLayer, Trace, register_layer, rule_for
-from test_fast_engine import assert_close_dicts, assert_close_norms, naive_reference
+from dpmuon.privacy.engines.opacus_samplers import rms_norm_grad_sample
 
 C = 0.01
 
@@ -89,7 +89,9 @@ def registry_snapshot():
 
 def test_an_unknown_module_is_refused_naming_it_and_how_to_register_a_rule():
     model = net(ThirdPartyRMSNorm(8))
-    with pytest.raises(ValueError, match=r"'1\.weight' is held by module '1' of type ThirdPartyRMSNorm.*register_layer\(ThirdPartyRMSNorm\).*register_rms_norm"):
+    with pytest.raises(
+        ValueError, match=r"'1\.weight' is held by module '1' of type ThirdPartyRMSNorm.*register_layer\(ThirdPartyRMSNorm\).*register_rms_norm"
+    ):
         FastEngine(model, partition(model))
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_gpt2, token_batch
+
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import (
     GaussianNoise,

@@ -8,14 +8,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import VOCAB, token_batch
-from dpmuon.models import Shape, build_model, build_random_lm, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss
-from dpmuon.privacy import build_engine
-from dpmuon.privacy.engines.fast import FastEngine
 from helpers_train import compose_config, require_real_data
 from test_fast_engine import PARTITIONS, assert_close_dicts, assert_close_norms, naive_reference, opacus_reference, partition_for
 from test_models import StubTokenizer
+
+from dpmuon.models import Shape, build_model, build_random_lm, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss
+from dpmuon.privacy import build_engine
+from dpmuon.privacy.engines.fast import FastEngine
 
 ARCHS = ["llama", "qwen2"]
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

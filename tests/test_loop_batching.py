@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers_train import compose_config, require_real_data
 
 from dpmuon.training import loop
 from dpmuon.training.batching import lot_micro_batches
 from dpmuon.training.loop import run
-from helpers_train import compose_config, require_real_data
 
 TINY = [
     "experiment=smoke", "optimizer=dp_adam", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",

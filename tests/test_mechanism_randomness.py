@@ -12,12 +12,12 @@ import sys
 
 import pytest
 import torch
+from helpers_train import compose_config, require_real_data
 
 from dpmuon.privacy import MechanismRandomness, PoissonLotSampler, build_lot_sampler
 from dpmuon.privacy.randomness import OS_ENTROPY, SECURE, USER_SEED
 from dpmuon.train import jobs_per_mechanism_seed
 from dpmuon.training.loop import run
-from helpers_train import compose_config, require_real_data
 
 TINY = [
     "experiment=smoke", "optimizer=dp_muon", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-
 from conftest import VOCAB, tiny_gpt2
+
 from dpmuon.models import build_model, context_length, hidden_matrices, lm_head_is_tied, untie_lm_head, weights_fingerprint
 
 

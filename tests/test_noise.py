@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import tiny_gpt2
+
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, block_noise_stds, build_partition, effective_noise_multiplier
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_gpt2, token_batch
+
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import NonFiniteReleaseError, PrivacyAccountant, Privatizer, build_engine, build_partition
 

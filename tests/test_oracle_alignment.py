@@ -7,13 +7,13 @@ import math
 
 import pytest
 import torch
+from helpers_train import compose_config, require_real_data
 
 from dpmuon.diagnostics import OracleAlignment
 from dpmuon.diagnostics.oracle import frobenius_cosine
 from dpmuon.errors import UserError
 from dpmuon.optim import Muon
 from dpmuon.training.loop import run
-from helpers_train import compose_config, require_real_data
 
 TINY = [
     "experiment=smoke", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",

@@ -18,11 +18,11 @@ import time
 
 import pytest
 import torch
+from helpers_train import compose_config, require_real_data
 
 from dpmuon.data import group_references, load_examples
 from dpmuon.privacy.accountant import epsilon_after
 from dpmuon.training.loop import run
-from helpers_train import compose_config, require_real_data
 
 GPT2_VOCAB = 50257 + 1  # GPT-2's BPE plus the added pad token
 TEST_SOURCES = 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_gpt2, token_batch
+
 from dpmuon.models import per_example_lm_loss
 from dpmuon.privacy import build_engine, build_partition
 

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "reproduce_cpu.py"
-spec = importlib.util.spec_from_file_location("reproduce_cpu", SCRIPT)
-reproduce = importlib.util.module_from_spec(spec)
-sys.modules["reproduce_cpu"] = reproduce  # dataclasses resolve their module by name
-spec.loader.exec_module(reproduce)
+from dpmuon.experiments import reproduce_cpu as reproduce
 
 
 def test_every_dp_optimizer_gets_the_same_tuning_budget():

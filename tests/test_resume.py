@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import compose_config, require_real_data
 
 from dpmuon.errors import UserError
 from dpmuon.privacy import PrivacyAccountant
 from dpmuon.training.loop import run
 from dpmuon.training.plan import check_resume_compatible, make_plan
-from helpers_train import compose_config, require_real_data
 
 OVERRIDES = [
     "experiment=smoke", "optimizer=dp_muonbc", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
@@ -76,7 +76,9 @@ def ledger(run_dir: Path) -> list[dict]:
 
 
 def resume(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume-launch"], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume-launch"], capture_output=True, text=True, timeout=600
+    )
 
 
 def ledger_epsilon(records: list[dict]) -> float:

@@ -8,15 +8,15 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_gpt2
+from helpers_train import compose_config, require_real_data
+from test_resume import BETWEEN_CHECKPOINTS, OVERRIDES, SEEDED, assert_same_run, kill_after, resume, rows
 from torch.optim.lr_scheduler import LambdaLR
 
-from conftest import tiny_gpt2
 from dpmuon.models import hidden_matrices
 from dpmuon.optim import HybridOptimizer, OptimizerInputs, build_optimizer
 from dpmuon.optim.schedules import build_scheduler, lr_factor
 from dpmuon.training.loop import run
-from helpers_train import compose_config, require_real_data
-from test_resume import BETWEEN_CHECKPOINTS, OVERRIDES, SEEDED, assert_same_run, kill_after, resume, rows
 
 MUON_CFG = {
     "lr": 0.02, "momentum": 0.95, "momentum_kind": "heavy_ball", "nesterov": False, "ns_steps": 5,

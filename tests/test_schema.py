@@ -6,12 +6,13 @@ import re
 import sys
 
 import pytest
+from helpers_train import compose_many
 from omegaconf import OmegaConf
+from test_configs import EXPERIMENTS, GROUPS
 
 from dpmuon import train
 from dpmuon.config.schema import BY_KEY, OPTIONS, ConfigError, validate
-from helpers_train import compose_many
-from test_configs import EXPERIMENTS, GROUPS
+
 
 def every_group_option():
     """One override list per option of every group, and one per experiment."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, tiny_gpt2, token_batch
 from torch import nn
 
-from conftest import VOCAB, tiny_gpt2, token_batch
 from dpmuon.data import EncodedExample
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import compose_config, require_real_data
+from test_fast_engine import assert_close_dicts, naive_reference
 
 from dpmuon.data import load_tokenizer
 from dpmuon.data.encoding import encode_training_example
@@ -16,8 +18,6 @@ from dpmuon.data.records import Example
 from dpmuon.models import IGNORE_INDEX, build_model, hidden_matrices, lm_head_is_tied, per_example_lm_loss
 from dpmuon.privacy import build_partition
 from dpmuon.privacy.engines.fast import FastEngine
-from helpers_train import compose_config, require_real_data
-from test_fast_engine import assert_close_dicts, naive_reference
 
 SMOLLM2 = Path(os.environ.get("DPMUON_SMOLLM2", Path(__file__).resolve().parents[1] / "models" / "smollm2"))
 pytestmark = pytest.mark.skipif(

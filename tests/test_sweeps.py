@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_train import require_real_data
 from hydra import compose, initialize_config_dir
+from test_tables_curves import PNG_SIGNATURE, write_run
 
 from dpmuon.eval.cli import sweep_plots_main
 from dpmuon.eval.runs import find_runs
 from dpmuon.eval.sweeps import sweep_lines
 from dpmuon.train import CONFIG_DIR
-from helpers_train import require_real_data
-from test_tables_curves import PNG_SIGNATURE, write_run
 
 TINY = [
     "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128", "data.max_train_examples=300",
@@ -42,7 +42,9 @@ def test_multirun_over_two_epsilons_calibrates_each(tmp_path):
     assert all((Path(s["run_dir"]) / "metrics.jsonl").exists() for s in summaries)
 
 
-@pytest.mark.parametrize("name,expected", [("sweep_eps", {"optimizer": 4, "privacy.target_epsilon": 3}), ("sweep_clip", {"optimizer": 4, "privacy": 2, "privacy.clip_norm": 3})])
+@pytest.mark.parametrize(
+    "name,expected", [("sweep_eps", {"optimizer": 4, "privacy.target_epsilon": 3}), ("sweep_clip", {"optimizer": 4, "privacy": 2, "privacy.clip_norm": 3})]
+)
 def test_sweep_configs_define_the_grid(name, expected):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"experiment=[smoke,{name}]"], return_hydra_config=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers_train import compose_config, require_real_data
 
 from dpmuon.training.loop import run
-from helpers_train import compose_config, require_real_data
 
 TINY = [
     "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",
@@ -40,7 +40,19 @@ def test_smoke_run_writes_the_artifact_contract(tmp_path, dataset, optimizer):
 
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert all({"train_loss", "epsilon", "lr", "lot_size", "clip_fraction", "mean_grad_norm", "noise_std", "noise_std_min", "noise_std_max", "step_seconds"} <= set(r) for r in rows)
+    expected_keys = {
+        "train_loss",
+        "epsilon",
+        "lr",
+        "lot_size",
+        "clip_fraction",
+        "mean_grad_norm",
+        "noise_std",
+        "noise_std_min",
+        "noise_std_max",
+        "step_seconds",
+    }
+    assert all(expected_keys <= set(r) for r in rows)
     eps = [r["epsilon"] for r in rows]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(on_disk["epsilon"])
     assert [r["step"] for r in rows if "val_nll" in r] == [2, 4]

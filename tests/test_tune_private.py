@@ -18,7 +18,8 @@ from dp_accounting import dp_event
 
 from dpmuon.privacy import epsilon_after
 from dpmuon.privacy.accountant import RDP_ORDERS
-from dpmuon.privacy.tuning import TruncatedNegativeBinomial, base_rdp, main as tuning_main, tuned_rdp, tuning_bound
+from dpmuon.privacy.tuning import TruncatedNegativeBinomial, base_rdp, tuned_rdp, tuning_bound
+from dpmuon.privacy.tuning import main as tuning_main
 
 torch.set_num_threads(1)
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -324,7 +325,9 @@ def configured(cfg: DictConfig, key: str) -> Any:
     try:
         value = OmegaConf.select(cfg, key, default=ABSENT, throw_on_missing=True)
     except OmegaConfBaseException as err:
-        raise ConfigError(key, OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False), f"cannot resolve ({one_line(err)})", BY_KEY[key].valid()) from None
+        raise ConfigError(
+            key, OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False), f"cannot resolve ({one_line(err)})", BY_KEY[key].valid()
+        ) from None
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
     return value

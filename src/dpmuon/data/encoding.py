@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from dpmuon.data.records import Example
-from dpmuon.models.lm import IGNORE_INDEX  # the label the loss skips
+
+IGNORE_INDEX = -100  # the label the loss skips (PyTorch cross-entropy's default ignore_index)
 
 
 @dataclass

@@ -74,7 +74,9 @@ def write_sweep_plots(runs: Sequence[Run], out_dir: Path) -> list[Path]:
                     axes.fill_between(line.x, line.low, line.high, color=color, alpha=0.15, linewidth=0)
                 for ref in references:
                     if ref.summary.get(metric) is not None:
-                        axes.axhline(ref.summary[metric], color=optimizer_color(ref.optimizer), linestyle=":", linewidth=1, label=f"{ref.optimizer} (non-private)")
+                        axes.axhline(
+                            ref.summary[metric], color=optimizer_color(ref.optimizer), linestyle=":", linewidth=1, label=f"{ref.optimizer} (non-private)"
+                        )
                 axes.set_xscale("log")
                 xs = sorted({float(r.summary[x_key]) for r in dataset_runs if r.is_private and r.summary.get(x_key) is not None})
                 axes.set_xticks(xs, [f"{x:g}" for x in xs])

@@ -203,10 +203,100 @@ def regime_csv(runs: list[RegimeRun]) -> str:
     def cell(v):
         return "" if v is None else repr(float(v))
 
+    def mean(xs):
+        return statistics.mean(xs) if xs else None
+
     for row in map_rows(runs):
-        mean = lambda xs: statistics.mean(xs) if xs else None  # noqa: E731
         sd = statistics.stdev(row.deltas) if len(row.deltas) > 1 else None
-        lines.append(",".join([str(row.epsilon), str(len(row.deltas)), cell(mean(row.muon)), cell(mean(row.bc)), cell(mean(row.deltas)), cell(sd), cell(row.snr), cell(row.estimated_snr), cell(row.gain)]))
+        values = (mean(row.muon), mean(row.bc), mean(row.deltas), sd, row.snr, row.estimated_snr, row.gain)
+        lines.append(",".join([str(row.epsilon), str(len(row.deltas)), *map(cell, values)]))
+    return "\n".join(lines) + "\n"
+
+
+# ---- the pretrained regime ---------------------------------------------------------------------
+
+PAPER_LOT = 1024
+_PRETRAINED = re.compile(r"(?P<model>[a-z0-9]+)_lot(?P<lot>\d+)$")
+
+
+@dataclass
+class PretrainedRun:
+    model: str
+    lot: int  # expected lot size
+    true_snr: list[float]  # per step, median over matrices
+    estimated_snr: list[float]
+    gain: list[float]
+
+
+def load_pretrained(root: Path) -> list[PretrainedRun]:
+    out = []
+    for summary in sorted((root / "pretrained").glob("*/summary.json")):
+        match = _PRETRAINED.match(summary.parent.name)
+        if match is None:
+            continue
+        rows = [json.loads(line) for line in (summary.parent / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "oracle_snr" in r]
+        out.append(PretrainedRun(
+            match["model"], int(match["lot"]), [r["oracle_snr_median"] for r in rows], [r.get("snr_median") for r in rows],
+            [statistics.median(r["oracle_cos_bc"][k] - r["oracle_cos_plain"][k] for k in r["oracle_snr"]) for r in rows],
+        ))
+    return out
+
+
+def extrapolate_snr(snr_by_lot: dict[int, float], lot: int = PAPER_LOT) -> tuple[float, float | None]:
+    """The true SNR at `lot`, from the SNRs measured at the same σ and step at smaller lots.
+
+    The noise std of the released mean is σΔ/B, so SNR = E_B·B²/(σΔ)² up to a constant, where
+    E_B is the noise-free buffer's energy. (1) Constant signal: E_lot = E_b, so SNR scales with
+    (lot/b)² from the largest measured lot b — an upper bound when part of E_b is sampling
+    variance. (2) With two lots, E_B = μ² + V/B separates the mean's energy μ² from the
+    variance V (momentum and the changing trajectory ignored), and E_lot = μ² + V/lot; None
+    when the fit gives μ² < 0 (the signal is not resolved). Returns ((1), (2)).
+    """
+    lots = sorted(snr_by_lot)
+    b = lots[-1]
+    constant = snr_by_lot[b] * (lot / b) ** 2
+    if len(lots) < 2:
+        return constant, None
+    b1, b2 = lots[0], lots[-1]
+    e1, e2 = snr_by_lot[b1] / b1**2, snr_by_lot[b2] / b2**2
+    variance = (e1 - e2) / (1 / b1 - 1 / b2)
+    mean_energy = e2 - variance / b2
+    if mean_energy < 0:
+        return constant, None
+    return constant, (mean_energy + variance / lot) * lot**2
+
+
+def pretrained_markdown(pretrained: list[PretrainedRun], runs: list[RegimeRun]) -> str:
+    lines = [
+        "",
+        "## The pretrained regime: DP-Muon at the paper's σ, step {step} (median over matrices)",
+        "",
+        f"Extrapolated to lot {PAPER_LOT}: (1) the noise-free signal's energy held at the largest lot's; "
+        "(2) the two lots' fit of the energy as mean + variance / lot (see `extrapolate_snr`).",
+        "",
+        "| model | lot | true SNR | estimated SNR | alignment gain | true SNR at lot 1024 (1) | (2) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    step = min((len(r.true_snr) for r in pretrained), default=0)
+    lines[1] = lines[1].replace("{step}", str(step) if step else "–")
+    for model in sorted({r.model for r in pretrained}):
+        mine = sorted((r for r in pretrained if r.model == model), key=lambda r: r.lot)
+        at_step = {r.lot: r.true_snr[step - 1] for r in mine if step}
+        constant, fitted = extrapolate_snr(at_step) if at_step else (None, None)
+        for i, r in enumerate(mine):
+            last = i == len(mine) - 1
+            estimated = r.estimated_snr[step - 1] if step else None
+            lines.append(
+                f"| {model} | {r.lot} | {_fmt(r.true_snr[step - 1] if step else None, '.3g')} | {_fmt(estimated, '.3g')} | "
+                f"{_fmt(r.gain[step - 1] if step else None, '+.4f')} | {_fmt(constant, '.3g') if last else ''} | "
+                f"{(_fmt(fitted, '.3g') if fitted is not None else 'not resolved') if last and len(mine) > 1 else ''} |"
+            )
+    if not pretrained:
+        lines.append(f"| – | – | {NOT_RUN} | {NOT_RUN} | {NOT_RUN} | {NOT_RUN} | {NOT_RUN} |")
+    map_run = _find(runs, "runs", "dp_muon", 8, 0)
+    if map_run is not None and step and len(map_run.snr) >= step:
+        lines += ["", f"The map's DP-Muon run at ε = 8 (tiny model, lot 256, seed 0) at step {step}: true SNR {map_run.snr[step - 1]:.3g}."]
     return "\n".join(lines) + "\n"
 
 
@@ -250,7 +340,8 @@ def gain_figure(runs: list[RegimeRun], path: Path, bins_per_decade: int = 2) -> 
     ax = fig.add_subplot()
     if pairs:
         snr, gain = np.array(pairs).T
-        edges = 10.0 ** np.arange(math.floor(np.log10(snr.min()) * bins_per_decade) / bins_per_decade, np.log10(snr.max()) + 1 / bins_per_decade, 1 / bins_per_decade)
+        width = 1 / bins_per_decade
+        edges = 10.0 ** np.arange(math.floor(np.log10(snr.min()) / width) * width, np.log10(snr.max()) + width, width)
         centers, med, low, high = [], [], [], []
         for lo, hi in zip(edges[:-1], edges[1:]):
             inside = gain[(snr >= lo) & (snr < hi)]
@@ -273,7 +364,7 @@ def gain_figure(runs: list[RegimeRun], path: Path, bins_per_decade: int = 2) -> 
 def write_report(root: Path) -> list[Path]:
     runs = load_runs(root)
     written = [root / "regime.md", root / "regime.csv", root / "delta_vs_snr.png", root / "gain_vs_snr.png"]
-    written[0].write_text(regime_markdown(runs))
+    written[0].write_text(regime_markdown(runs) + pretrained_markdown(load_pretrained(root), runs))
     written[1].write_text(regime_csv(runs))
     delta_figure(runs, written[2])
     gain_figure(runs, written[3])

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-IGNORE_INDEX = -100  # PyTorch cross-entropy's default ignore_index: labels the loss skips
+from ..data.encoding import IGNORE_INDEX  # labels the loss skips: the data layer marks them
+
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

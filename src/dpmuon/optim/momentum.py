@@ -25,7 +25,7 @@ class MomentumRule:
     buffer_weight: float
 
     @classmethod
-    def create(cls, beta: float, kind: str = "heavy_ball", nesterov: bool = False) -> "MomentumRule":
+    def create(cls, beta: float, kind: str = "heavy_ball", nesterov: bool = False) -> MomentumRule:
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"momentum beta must be in [0, 1), got {beta}")
         if kind == "heavy_ball":

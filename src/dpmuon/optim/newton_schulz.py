@@ -7,8 +7,8 @@ batch dimensions; same-shape matrices are orthogonalized in one batched call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import comb
-from typing import Sequence, Union
 
 import torch
 
@@ -16,7 +16,7 @@ import torch
 # singular values in roughly [0.7, 1.2] rather than exactly 1.
 QUINTIC_TUNED = (3.4445, -4.7750, 2.0315)
 
-CoefficientSpec = Union[str, Sequence[float]]
+CoefficientSpec = str | Sequence[float]
 
 
 def series_coefficients(kappa: int) -> tuple[float, ...]:

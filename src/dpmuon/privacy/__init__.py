@@ -12,8 +12,8 @@ from .blocks import Block, BlockPartition, build_partition
 from .clipping import clip_factors, per_example_block_norms
 from .distributed import DataParallel, init_data_parallel
 from .engines import ENGINES, build_engine
-from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
 from .ledger import LEDGER_FILE, LedgerMismatchError, PrivacyLedger, release_digest
+from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
 from .privatizer import NonFiniteReleaseError, NonPrivateRelease, Privatizer, ReleaseStats, ReplayMismatchError
 from .randomness import MechanismRandomness
 from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler

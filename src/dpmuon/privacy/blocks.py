@@ -7,8 +7,8 @@ the release's joint L2 sensitivity is then Δ = sqrt(Σ_W C_W²). `flat` is the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 CLIP_MODES = ("per_matrix", "flat")
 THRESHOLD_RULES = ("split", "scalar", "by_size")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -55,7 +55,7 @@ class ClipStats:
     nonfinite: int  # examples dropped for NaN/inf gradients
 
     @classmethod
-    def from_norms(cls, block_norms: torch.Tensor, thresholds: Sequence[float]) -> "ClipStats":
+    def from_norms(cls, block_norms: torch.Tensor, thresholds: Sequence[float]) -> ClipStats:
         C = torch.as_tensor(thresholds, dtype=block_norms.dtype, device=block_norms.device)
         finite = torch.isfinite(block_norms).all(dim=1)
         total = block_norms[finite].pow(2).sum(1).sqrt()

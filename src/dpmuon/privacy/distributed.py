@@ -10,8 +10,8 @@ torch's DistributedDataParallel is not used: it would all-reduce raw, unclipped 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,6 @@ class DataParallel:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-    def barrier(self) -> None:
-        dist.barrier()
 
 
 SINGLE = DataParallel(rank=0, world_size=1)

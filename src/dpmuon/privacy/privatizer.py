@@ -9,11 +9,13 @@ afterwards: post-processing.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from .accountant import PrivacyAccountant
 from .blocks import BlockPartition
@@ -146,7 +148,8 @@ class Privatizer:
         stats = ReleaseStats(clipped=torch.zeros(len(self.partition), dtype=torch.long))
         for batch in micro_batches:
             part, losses, clip = self._engine.clipped_sum(batch, loss_fn)
-            total.add(summed, part, clip.examples)
+            with record_function("dpmuon.lot_total"):
+                total.add(summed, part, clip.examples)
             finite = torch.isfinite(losses)
             stats.lot_size += clip.examples
             stats.loss_sum += float(losses[finite].sum())
@@ -161,10 +164,11 @@ class Privatizer:
         block_of = self.partition.block_index()
         noise_free = {n: (t / self.expected_lot_size).float() for n, t in summed.items()} if self.observe_noise_free else None
         if self.parallel.is_main:  # noise is drawn once per step, whatever the number of ranks
-            for name, noisy in summed.items():
-                std = self.block_stds[block_of[name]]
-                if std > 0:
-                    noisy.add_(self.noise.standard_normal(noisy.shape, noisy.device), alpha=std)
+            with record_function("dpmuon.noise"):
+                for name, noisy in summed.items():
+                    std = self.block_stds[block_of[name]]
+                    if std > 0:
+                        noisy.add_(self.noise.standard_normal(noisy.shape, noisy.device), alpha=std)
         if self.parallel.world_size > 1:
             self.parallel.all_reduce_sum(list(summed.values()))
             stats = _reduce_stats(stats, self.parallel)
@@ -177,7 +181,8 @@ class Privatizer:
                 f"released gradient is not finite in {len(bad)} tensor(s) (first: {bad[0]}); refusing to "
                 "update the model — the clipped sum or the noise is broken, not the data"
             )
-        stats.charged = self._record(step, released)
+        with record_function("dpmuon.ledger"):
+            stats.charged = self._record(step, released)
         if noise_free is not None:
             self.observe_noise_free(noise_free)
         if stats.charged:

@@ -95,7 +95,7 @@ class TruncatedNegativeBinomial:
             cumulative += p
             # Round-off can leave the total a hair below 1: stop where no mass is left.
             if u < cumulative or p < 1e-300:
-                break
+                return k
         return k
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..data import EncodedExample, collate
-from ..models import IGNORE_INDEX
+from ..data.encoding import IGNORE_INDEX
 from ..privacy.engines.base import EXAMPLE_MASK
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..data import EncodedExample, collate, collate_prompts, encode_prompt
-from ..models import IGNORE_INDEX, position_ids_for
+from ..data.encoding import IGNORE_INDEX
+from ..models import position_ids_for
 
 
 @torch.no_grad()

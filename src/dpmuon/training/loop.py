@@ -20,12 +20,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ..config.schema import blamed_on, validate as validate_config
+from ..config.schema import blamed_on
+from ..config.schema import validate as validate_config
 from ..data import load_tokenizer
-from ..errors import UserError
 from ..diagnostics import OracleAlignment
+from ..errors import UserError
 from ..eval.curves import write_curves
-from ..eval.metrics import score
+from ..eval.metrics import SCORE_KEYS, score
 from ..eval.runs import Run
 from ..models import build_model, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss, weights_fingerprint
 from ..optim import OptimizerInputs, build_optimizer
@@ -46,11 +47,10 @@ from ..privacy import (
 )
 from ..privacy.blocks import partition_summary
 from ..privacy.distributed import DataParallel, init_data_parallel
-from ..eval.metrics import SCORE_KEYS
+from .batching import lot_micro_batches
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_restore, rng_snapshot, save_checkpoint
 from .data import prepare_data
 from .evaluation import decode, token_nll
-from .batching import lot_micro_batches
 from .loggers import NullLogger, build_logger
 from .mechanism_state import MECHANISM_STATE_FILE, load_mechanism_state, save_mechanism_state
 from .plan import check_resume_compatible, make_plan

@@ -14,8 +14,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:

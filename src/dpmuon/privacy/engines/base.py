@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ class PerExampleEngine(ABC):
         nothing. Must leave no per-example or non-private gradient behind on the parameters.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Remove hooks and buffers from the model."""
 
 

@@ -11,8 +11,8 @@ import warnings
 import torch
 from opacus import GradSampleModule
 
-from . import opacus_samplers  # noqa: F401  (registers the Conv1D and HF RMSNorm grad samplers)
 from ..clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
+from . import opacus_samplers  # noqa: F401  (registers the Conv1D and HF RMSNorm grad samplers)
 from .base import PerExampleEngine, example_rows, full_precision, register_engine
 
 

@@ -14,6 +14,11 @@ forms the (non-private) summed weight gradients at all. From (a_i, b_i):
   Σ_i c_i,W b_iᵀ a_i is a single matrix product over the flattened (example, position) axis —
   the same cost as the weight gradient the backward skipped — and no second backward is run.
 
+Positions whose output gradient b_t is zero (padding; at the LM head every prompt token
+without a label) add nothing to any of these sums, so the ghost Grams and the book-keeping
+product leave them out (`Trace.active`): exact, and at the head about half the rows of a
+table-to-text lot, which the non-private backward multiplies anyway.
+
 A token embedding tied to the LM head gets one gradient that sums both uses; its norm needs
 the cross term between the two parts (see `kernels.tied_cross_term`).
 

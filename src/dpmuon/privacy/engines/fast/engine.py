@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.profiler import record_function
 
 from ...blocks import BlockPartition
 from ...clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
@@ -133,7 +135,7 @@ class FastEngine(PerExampleEngine):
                 handle.remove()
 
     def _forward(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss) -> tuple[torch.Tensor, dict[nn.Module, list[Call]]]:
-        with self._recording() as calls:
+        with self._recording() as calls, record_function("dpmuon.forward"):
             losses = loss_fn(self.model, batch)
         return losses, calls
 
@@ -144,7 +146,8 @@ class FastEngine(PerExampleEngine):
         if losses.requires_grad and edges:
             # Gradients w.r.t. the layer outputs only: autograd then skips every parameter's
             # gradient, so no summed (non-private) gradient is ever formed or left in p.grad.
-            grads = torch.autograd.grad(losses.sum(), edges, allow_unused=True)
+            with record_function("dpmuon.backward"):
+                grads = torch.autograd.grad(losses.sum(), edges, allow_unused=True)
         else:
             grads = (None,) * len(edges)
         traces = {}
@@ -198,7 +201,8 @@ class FastEngine(PerExampleEngine):
     def _clip_and_sum(
         self, traces: dict[nn.Module, Trace], losses: torch.Tensor, examples: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, ClipStats]:
-        norms = per_example_block_norms(self.partition, self._squared_norms(traces, losses.shape[0], losses.device))
+        with record_function("dpmuon.norms"):
+            norms = per_example_block_norms(self.partition, self._squared_norms(traces, losses.shape[0], losses.device))
         # A non-finite loss drops its example even where its gradient happens to be finite.
         norms = mark_nonfinite_losses(norms, losses)
         # Float64 factors from float64 norms, rounded once to scale the fp32 sums; rows that only
@@ -213,8 +217,9 @@ class FastEngine(PerExampleEngine):
 
         summed: dict[str, torch.Tensor] = {}
         # Heads before embeddings: a tied weight's embedding part is then added into the head's sum.
-        for module in sorted(traces, key=lambda m: isinstance(self.layers[m], EmbeddingLayer)):
-            self.layers[module].add_clipped_sums(traces.pop(module), scale_of, summed)
+        with record_function("dpmuon.bookkeeping"):
+            for module in sorted(traces, key=lambda m: isinstance(self.layers[m], EmbeddingLayer)):
+                self.layers[module].add_clipped_sums(traces.pop(module), scale_of, summed)
         for name, p in self.params.items():
             if name not in summed:  # its module was not called in this forward
                 summed[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)

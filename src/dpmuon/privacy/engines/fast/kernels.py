@@ -7,7 +7,8 @@ float64; a formed gradient's sum of squares and the book-keeping sums stay fp32.
 
 from __future__ import annotations
 
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 

@@ -13,8 +13,8 @@ weights differently in its own forward, so it must be registered on its own):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ class Trace:
             self._active = self.grads.ne(0).any(dim=-1)
         return self._active
 
-    def without(self, dropped: torch.Tensor) -> "Trace":
+    def without(self, dropped: torch.Tensor) -> Trace:
         """The trace with the dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN)."""
         rows = dropped.view(-1, *([1] * (self.grads.dim() - 1)))
         inputs = self.inputs.masked_fill(rows, 0) if self.inputs.is_floating_point() else self.inputs

@@ -1,56 +1,26 @@
-"""Empirical privacy auditing: a lower bound on ε from one training run with canaries.
-
-Method — "one run" auditing (Steinke, Nasr & Jagielski, "Privacy Auditing with One (1)
-Training Run", NeurIPS 2023, arXiv:2305.08846): m canaries are each put into the training set
-independently with probability 1/2; after training, an auditor guesses "in" for the canaries
-with the highest scores (and, where that carries evidence, "out" for the lowest) and abstains
-on the rest. If the training run is (ε, δ)-DP with respect to adding or removing one canary,
-the number of correct guesses is (up to a δ term) stochastically dominated by the number of
-correct guesses against ε-randomized response, Binomial(r, e^ε / (1 + e^ε)). Many correct
-guesses therefore refute (ε, δ)-DP for every ε below some value: that value, at confidence
-1 − β, is the empirical lower bound.
-
-Setting — white-box canaries run through our mechanism end to end: the training loop's lot
-sampler (`build_lot_sampler`, as the loop calls it) → Privatizer.release → SGD on p.grad.
-
-- Dirac canaries (`model="dirac"`): K one-column embedding tables, each its own block; canary j
-  owns row j of every table, so its gradient touches all K blocks and nothing else does.
-  Cheap enough for 10⁵ canaries, which is what the power to catch a noise ÷ 2 break takes.
-- GPT-2 canaries (`model="gpt2"`): a tiny GPT-2, every tensor its own block; canary j is a
-  sequence of a token nobody else uses, so its token-embedding row is its alone. A sanity
-  scenario for the fast engine on transformer layers; too few canaries for subtle breaks.
-
-An excluded canary's slot stays in the data set as a blank (zero gradient): the release is
-then exactly that of the data set without the canary, while the data-set size N — and with it
-q = L/N, which the loop's sampler derives from N — stays public and the same in every run.
-
-The auditor sees every released gradient (the object the DP guarantee covers) and the model,
-so it knows each canary's clipped gradient c at each step. Its score is the log-likelihood
-ratio "in" vs "out" of the releases along c: per step, the canary was sampled with probability
-q if in, and the release along c is 1 + noise if sampled, noise otherwise — the Neyman–Pearson
-test for one canary. Validity never depends on the score; only power does.
-"""
+"""The audited training runs: canaries put in with probability 1/2, run end to end through the
+mechanism (the loop's lot sampler → Privatizer.release → SGD), scored by the auditor; the
+scenarios (`MODES`) and the deliberately broken mechanisms (`BREAKS`)."""
 
 from __future__ import annotations
 
-import math
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy import stats
-from scipy.special import expit
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from .accountant import PrivacyAccountant, calibrate_noise_multiplier
-from .blocks import BlockPartition, build_partition
-from .noise import GaussianNoise
-from .privatizer import Privatizer
-from .sampling import PoissonLotSampler, build_lot_sampler
+from ..privacy.accountant import PrivacyAccountant, calibrate_noise_multiplier
+from ..privacy.blocks import BlockPartition, build_partition
+from ..privacy.noise import GaussianNoise
+from ..privacy.privatizer import Privatizer
+from ..privacy.sampling import PoissonLotSampler, build_lot_sampler
+from .bound import OneRunBound, audit_ceiling, one_run_audit, sampled_release_log_likelihood_ratio
 
 METHOD = "one-run audit (Steinke, Nasr & Jagielski 2023, (ε, δ) bound), white-box canaries, likelihood-ratio score over all releases"
 # Each break is a deliberately wrong mechanism whose accountant is still told the calibrated σ,
@@ -68,163 +38,6 @@ NOISE_DIVISORS = {"tenth_noise": 10.0, "half_noise": 2.0}
 # produce (Dirac canaries have norm 100 C; the tiny GPT-2's gradients are O(1) with C = 0.01).
 UNCLIPPED_HEADROOM = 1e6
 
-
-# --- the bound -------------------------------------------------------------------------------
-
-
-# --- the bound -------------------------------------------------------------------------------
-
-
-def randomized_response_accuracy(epsilon: float) -> float:
-    """e^ε / (1 + e^ε): the highest probability that a membership guess against an ε-DP
-    mechanism is right — the accuracy of ε-randomized response."""
-    return float(expit(epsilon))
-
-
-def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
-    """Upper bound on P[≥ `correct` of `guesses` guesses are right] for an (ε, δ)-DP run.
-
-    Steinke et al.'s theorem for (ε, δ)-DP, in the form the paper evaluates it:
-    P[Binomial(r, p_ε) ≥ v] + 2mδ · max_{1≤i≤v} P[v − i ≤ Binomial(r, p_ε) < v] / i,
-    with p_ε = e^ε/(1 + e^ε), m canaries, r guesses, v correct. δ = 0 leaves the pure-DP
-    statement: the correct count is stochastically dominated by Binomial(r, p_ε).
-    """
-    _check_counts(canaries, guesses, correct)
-    if not (epsilon >= 0 and 0 <= delta <= 1):
-        raise ValueError(f"need ε ≥ 0 and δ ∈ [0, 1], got ε={epsilon}, δ={delta}")
-    accuracy = randomized_response_accuracy(epsilon)
-    tail = float(stats.binom.sf(correct - 1, guesses, accuracy))
-    if delta == 0 or correct == 0:
-        return min(1.0, tail)
-    below = stats.binom.pmf(np.arange(correct - 1, -1, -1), guesses, accuracy)  # P[v−1], P[v−2], …, P[0]
-    alpha = float(np.max(np.cumsum(below) / np.arange(1, correct + 1)))
-    return min(1.0, tail + 2 * canaries * delta * alpha)
-
-
-def _check_counts(canaries: int, guesses: int, correct: int) -> None:
-    if not 0 <= correct <= guesses <= canaries:
-        raise ValueError(f"need 0 ≤ correct ≤ guesses ≤ canaries, got {correct}, {guesses}, {canaries}")
-
-
-def one_run_epsilon_lower_bound(
-    canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95, tolerance: float = 1e-6
-) -> float:
-    """An ε the observation refutes at level 1 − confidence: the run is not (ε, δ)-DP.
-
-    Bisection keeps p(lo) < β ≤ p(hi) and returns lo. Reporting any ℓ with p(ℓ) < β is valid
-    whether or not p is monotone in ε: if the run is (ε*, δ)-DP it is (ε', δ)-DP for every
-    ε' ≥ ε*, so ℓ > ε* can only happen when the observed count is one that the (ε*, δ) bound
-    already declares less likely than β.
-    """
-    _check_counts(canaries, guesses, correct)
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    beta = 1 - confidence
-
-    def refuted(epsilon: float) -> bool:
-        return one_run_p_value(canaries, guesses, correct, epsilon, delta) < beta
-
-    if not refuted(0.0):
-        return 0.0
-    lo, hi = 0.0, 1.0
-    while refuted(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > tolerance:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if refuted(mid) else (lo, mid)
-    return lo
-
-
-def membership_guesses(scores: np.ndarray, guesses: int, tails: str = "both") -> np.ndarray:
-    """+1 ("in") for the highest scores, −1 ("out") for the lowest, 0 (abstain) elsewhere.
-
-    both: ⌈r/2⌉ "in", ⌊r/2⌋ "out" — for scores whose low tail is evidence of absence (a canary
-    in every lot: its absence shows as pure noise). upper: all r guesses "in" — for Poisson-
-    subsampled canaries, whose low scores mean "never sampled", which an included canary also
-    is with probability (1 − q)^T: "out" guesses there are barely better than chance.
-    """
-    if not 0 <= guesses <= len(scores):
-        raise ValueError(f"cannot make {guesses} guesses about {len(scores)} canaries")
-    if tails not in ("both", "upper"):
-        raise ValueError(f"tails must be 'both' or 'upper', got {tails!r}")
-    order = np.argsort(scores, kind="stable")
-    n_in = guesses if tails == "upper" else (guesses + 1) // 2
-    n_out = guesses - n_in
-    verdicts = np.zeros(len(scores), dtype=np.int8)
-    verdicts[order[len(scores) - n_in :]] = 1
-    verdicts[order[:n_out]] = -1
-    return verdicts
-
-
-def count_correct(verdicts: np.ndarray, included: np.ndarray) -> tuple[int, int]:
-    """(correct guesses, guesses made); abstentions count as neither."""
-    truth = np.where(included, 1, -1)
-    made = verdicts != 0
-    return int((verdicts[made] == truth[made]).sum()), int(made.sum())
-
-
-@dataclass(frozen=True)
-class OneRunBound:
-    """The audit's verdict: the best of several pre-declared guess counts, Bonferroni-corrected."""
-
-    epsilon: float  # the empirical lower bound
-    confidence: float  # overall, after the correction
-    canaries: int
-    guesses: int  # of the guess count that gave the bound
-    correct: int
-    tests: int  # guess counts tried; each was tested at level (1 − confidence) / tests
-
-
-def guess_counts(canaries: int, fractions: tuple[float, ...]) -> list[int]:
-    """The pre-declared guess counts r = fraction · m (distinct, at least one guess each)."""
-    return sorted({max(1, min(canaries, round(f * canaries))) for f in fractions})
-
-
-def per_test_confidence(confidence: float, tests: int) -> float:
-    """Bonferroni: K tests at level β/K each hold jointly at level β."""
-    return 1 - (1 - confidence) / tests
-
-
-def one_run_audit(
-    scores: np.ndarray, included: np.ndarray, delta: float, confidence: float, fractions: tuple[float, ...], tails: str = "both"
-) -> OneRunBound:
-    """Guess at every pre-declared count, bound each at level β/K, report the largest.
-
-    The maximum over K bounds is valid at level β by the union bound; a plain maximum over
-    guess counts chosen after looking would not be.
-    """
-    canaries = len(scores)
-    counts = guess_counts(canaries, fractions)
-    level = per_test_confidence(confidence, len(counts))
-    bounds = []
-    for r in counts:
-        correct, made = count_correct(membership_guesses(scores, r, tails), included)
-        epsilon = one_run_epsilon_lower_bound(canaries, made, correct, delta, level)
-        bounds.append(OneRunBound(epsilon, confidence, canaries, made, correct, len(counts)))
-    return max(bounds, key=lambda bound: bound.epsilon)
-
-
-def audit_ceiling(canaries: int, delta: float, confidence: float, fractions: tuple[float, ...]) -> float:
-    """The largest lower bound this design can ever report (every guess right): no claimed ε
-    above it can be refuted, however broken the mechanism."""
-    counts = guess_counts(canaries, fractions)
-    level = per_test_confidence(confidence, len(counts))
-    return max(one_run_epsilon_lower_bound(canaries, r, r, delta, level) for r in counts)
-
-
-# --- the auditor's score ---------------------------------------------------------------------
-
-
-def sampled_release_log_likelihood_ratio(projection: np.ndarray, snr: np.ndarray | float, sample_rate: float) -> np.ndarray:
-    """log P[release | canary in] − log P[release | canary out], for one release, per canary.
-
-    projection = ⟨x, c⟩ / ‖c‖², the released sum x along the canary's clipped gradient c: it is
-    s + N(0, 1/snr²) with snr = ‖c‖ / (noise std), where s = 1 if the canary was in the lot —
-    with probability q when it is in the data set, never when it is not. So the ratio is
-    (1 − q) + q · exp(snr² · (projection − 1/2)).
-    """
-    log_absent = math.log1p(-sample_rate) if sample_rate < 1 else -math.inf
-    return np.logaddexp(log_absent, math.log(sample_rate) + np.square(snr) * (projection - 0.5))
 
 
 # --- the audited training run ----------------------------------------------------------------
@@ -533,7 +346,7 @@ class Seeds:
     noise: int
 
     @classmethod
-    def spawn(cls, seed: int) -> "Seeds":
+    def spawn(cls, seed: int) -> Seeds:
         return cls(*(int(s) for s in np.random.SeedSequence(seed).generate_state(4)))
 
 
@@ -636,54 +449,3 @@ def expected_verdict(result: AuditResult) -> bool:
     if result.mechanism == BREAK_LABELS["none"]:
         return not result.detected
     return result.detected or result.ceiling <= result.claimed_epsilon
-
-
-def describe(setup: AuditSetup) -> str:
-    counts = guess_counts(setup.canaries, setup.guess_fractions)
-    model = f"{setup.blocks} Dirac table(s)" if setup.model == "dirac" else "tiny GPT-2 (a block per tensor)"
-    guesses = (
-        f"guess counts {counts}, each tested at level β/{len(counts)} (Bonferroni)"
-        if len(counts) > 1
-        else f"one pre-declared guess count {counts[0]} ({setup.tails} tail{'s' if setup.tails == 'both' else ''})"
-    )
-    return (
-        f"{setup.name}: {setup.canaries} canaries (each in with prob. 1/2) + {setup.ordinary} ordinary points, {model}, "
-        f"engine {setup.engine}, N = {setup.dataset_size}, L = {setup.expected_lot_size} (q = {setup.sample_rate:.3g}), "
-        f"{setup.steps} steps, C = {setup.clip_norm:g}, seed {setup.seed}; claim ε = {setup.epsilon:g}, δ = {setup.delta:g}; "
-        f"score assumes noise σ/{setup.score_noise_divisor:g}; {guesses}"
-    )
-
-
-TABLE_HEADER = ("scenario", "seed", "mechanism", "engine", "claimed ε", "σ", "ε lower bound", "correct/guesses", "ceiling", "verdict", "seconds")
-
-
-def table_rows(results: list[AuditResult]) -> list[tuple[str, ...]]:
-    return [
-        (
-            r.scenario,
-            str(r.seed),
-            r.mechanism,
-            r.engine,
-            f"{r.claimed_epsilon:.3f}",
-            f"{r.noise_multiplier:.3f}",
-            f"{r.bound.epsilon:.3f}",
-            f"{r.bound.correct}/{r.bound.guesses}",
-            f"{r.ceiling:.2f}",
-            r.verdict,
-            f"{r.seconds:.0f}",
-        )
-        for r in results
-    ]
-
-
-def format_table(rows: list[tuple[str, ...]]) -> str:
-    """Aligned plain text, for the terminal."""
-    widths = [max(len(row[i]) for row in [TABLE_HEADER, *rows]) for i in range(len(TABLE_HEADER))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [TABLE_HEADER, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_markdown(rows: list[tuple[str, ...]]) -> str:
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
