@@ -18,7 +18,8 @@ from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, build_engine, build_partition
 from dpmuon.privacy.accountant import epsilon_after
-from dpmuon.training.loop import autocast_factory, run
+from dpmuon.training.loop import run
+from dpmuon.training.runtime import autocast_factory
 
 DP_OPTIMIZERS = ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
 SIGMA, SAMPLE_RATE, DELTA, CLIP = 0.3, 0.05, 1e-5, 1.0

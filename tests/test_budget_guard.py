@@ -6,8 +6,7 @@ import pytest
 
 from dpmuon.errors import UserError
 from dpmuon.privacy import PrivacyAccountant, epsilon_after
-from dpmuon.training.loop import within_budget
-from dpmuon.training.plan import make_plan
+from dpmuon.training.plan import make_plan, within_budget
 
 BASE = dict(private=True, dataset_size=10_000, expected_lot_size=100, epochs=None, steps=300, target_epsilon=3.0, delta=1e-5, accountant="prv")
 

@@ -50,6 +50,14 @@ class HybridOptimizer(torch.optim.Optimizer):
             opt.step()
         return loss
 
+    def diagnostics(self) -> dict[str, dict[torch.Tensor, float]]:
+        """The parts' `diagnostics()` (those that have one), merged: name → {parameter: value}."""
+        merged: dict[str, dict[torch.Tensor, float]] = {}
+        for opt in self.parts.values():
+            for key, values in (opt.diagnostics() if hasattr(opt, "diagnostics") else {}).items():
+                merged.setdefault(key, {}).update(values)
+        return merged
+
     def zero_grad(self, set_to_none: bool = True):
         for opt in self.parts.values():
             opt.zero_grad(set_to_none=set_to_none)

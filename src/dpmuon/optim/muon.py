@@ -113,6 +113,10 @@ class Muon(torch.optim.Optimizer):
         # Last step's SNR estimate of the matrix fed to Newton–Schulz, per parameter.
         self.snr: dict[torch.Tensor, float] = {}
 
+    def diagnostics(self) -> dict[str, dict[torch.Tensor, float]]:
+        """Per-parameter quantities of the last step, computed from the release only (public)."""
+        return {"snr": dict(self.snr)} if self.snr else {}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

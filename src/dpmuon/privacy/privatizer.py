@@ -9,6 +9,7 @@ afterwards: post-processing.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +138,12 @@ class Privatizer:
         """Public per-entry noise std of g̃ for each parameter: std_W / B_expected."""
         block_of = self.partition.block_index()
         return {n: self.block_stds[block_of[n]] / self.expected_lot_size for n in self.params}
+
+    def noise_std_range(self) -> dict[str, float]:
+        """Per-entry noise std of g̃ over blocks (median, min, max: they differ when thresholds
+        differ under proportional allocation), as the release uses it."""
+        stds = sorted(s / self.expected_lot_size for s in self.block_stds)
+        return {"noise_std": statistics.median(stds), "noise_std_min": stds[0], "noise_std_max": stds[-1]}
 
     def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss, step: int | None = None) -> ReleaseStats:
         """Privatize one lot (given as physical micro-batches) into p.grad and account for it.

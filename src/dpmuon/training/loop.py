@@ -1,4 +1,7 @@
-"""One training run, top to bottom: setup → private training → evaluation → artifacts.
+"""One training run, top to bottom, in named phases:
+
+    setup → resume → train (per step: budget check, release, optimizer step, metrics row,
+    checkpoint) → evaluate → summary
 
 The private part is three lines per step — sample a lot, `privatizer.release(...)`,
 `optimizer.step()` — everything else is bookkeeping: logging, checkpoints, resume, signals.
@@ -6,13 +9,12 @@ The private part is three lines per step — sample a lot, `privatizer.release(.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import signal
 import statistics
-import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,83 +47,424 @@ from ..privacy import (
     build_lot_sampler,
     build_partition,
 )
-from ..privacy.blocks import partition_summary
+from ..privacy.blocks import BlockPartition, partition_summary
 from ..privacy.distributed import DataParallel, init_data_parallel
 from .batching import lot_micro_batches
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_restore, rng_snapshot, save_checkpoint
-from .data import prepare_data
+from .data import RunData, prepare_data
 from .evaluation import decode, token_nll
 from .loggers import NullLogger, build_logger
 from .mechanism_state import MECHANISM_STATE_FILE, load_mechanism_state, save_mechanism_state
-from .plan import check_resume_compatible, make_plan
+from .plan import PrivacyPlan, check_resume_compatible, make_plan, within_budget
 from .redact import REDACTED, redact
 from .run_files import MetricsLog, atomic_write, atomic_write_json, code_version, command_line
+from .runtime import StopRequest, autocast_factory, log, resolve_device, resolve_precision
 
 
-def log(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:  # one voice under torchrun
-        tqdm.write(f"[dpmuon] {message}", file=sys.stderr)
+@dataclass
+class Training:
+    """What the phases of one run share: its parts, built once by `setup`, and its progress."""
+
+    cfg: DictConfig
+    run_dir: Path
+    device: torch.device
+    parallel: DataParallel
+    autocast: Callable
+    tokenizer: Any
+    data: RunData
+    plan: PrivacyPlan
+    model: torch.nn.Module
+    initial_weights: str  # fingerprint before any checkpoint is loaded: the run's starting point
+    randomness: MechanismRandomness
+    generators: dict[str, torch.Generator]
+    named: dict[str, torch.nn.Parameter]
+    ledger: PrivacyLedger | None
+    partition: BlockPartition | None
+    accountant: PrivacyAccountant | None  # None: a non-private run
+    release: Privatizer | NonPrivateRelease
+    optimizer: torch.optim.Optimizer
+    sampler: Any
+    scheduler: Any
+    oracle: OracleAlignment | None
+    fixed_width: int | None  # fixed micro-batch shapes (bf16): see training/batching.py
+    metrics: MetricsLog
+    logger: Any = None
+    start_step: int = 0
+    last_step: int = 0
+    train_seconds: float = 0.0
+
+    @property
+    def private(self) -> bool:
+        return self.plan.private
+
+    @property
+    def diagnostics(self) -> bool:
+        return bool(self.cfg.logging.nonprivate_diagnostics)
+
+    @property
+    def validate(self) -> bool:
+        return bool(self.cfg.eval.get("validation", True))
+
+    @property
+    def progress(self) -> bool:
+        return bool(self.cfg.logging.progress)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / CHECKPOINT_FILE
+
+    @property
+    def mechanism_state_path(self) -> Path:
+        return self.run_dir / MECHANISM_STATE_FILE
 
 
-def resolve_device(name: str) -> torch.device:
-    if name not in ("auto", "cpu", "cuda"):
-        raise UserError(f"unknown trainer.device {name!r}; valid: auto, cpu, cuda")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("trainer.device=cuda but no CUDA device is available")
-    if name == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # torchrun: one GPU per process
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """Train, evaluate and write the run's artifacts; returns the summary (None on ranks > 0)."""
+    validate_config(cfg)  # types, ranges and choices: before any data, tokenizer or model is read
+    version, command = code_version(), redact(command_line())  # of the code that starts the run
+    t = setup(cfg, run_dir)
+    resume(t)
+    stop_reason = train(t)
+    t.release.close()
+    if not t.parallel.is_main:  # rank 0 evaluates and writes the artifacts
+        return None
+    test_nll, scores = evaluate(t)
+    summary = run_summary(t, stop_reason, test_nll, scores, version, command)
+    finish(t, summary)
+    return summary
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """`auto` is bf16 autocast on GPU and fp32 on CPU."""
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return precision
+# ---- setup -------------------------------------------------------------------------------------
 
 
-def autocast_factory(precision: str, device: torch.device):
-    """bf16 autocast for the model's forward; clipping, noise and optimizer stay fp32."""
-    precision = resolve_precision(precision, device)
-    if precision == "fp32":
-        return contextlib.nullcontext
-    if precision == "bf16":
-        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    raise UserError(f"unknown trainer.precision {precision!r}; valid: auto, fp32, bf16")
+def setup(cfg: DictConfig, run_dir: Path) -> Training:
+    """Process, data, plan, model, mechanism and optimizer, in the order errors should surface."""
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(int(cfg.trainer.num_threads))
+    torch.manual_seed(int(cfg.seed))
+    device = resolve_device(cfg.trainer.device)
+    parallel = init_data_parallel(device.type)
+    # Every rank writes into rank 0's directory (Hydra's timestamps may differ between ranks).
+    run_dir = Path(parallel.broadcast_object(str(run_dir)) if parallel.world_size > 1 else run_dir)
+    if parallel.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    # Data first: input errors surface before any model is built or downloaded.
+    with blamed_on("model.tokenizer", cfg.model.tokenizer):
+        tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.get("bpe_merges"))
+    with blamed_on("model.name_or_path", cfg.model.name_or_path):
+        max_length = context_length(cfg.model)
+    data = prepare_data(cfg.dataset, cfg.data, tokenizer, max_length, log)
+    plan = privacy_plan(cfg, len(data.train))
+    # The model only after the plan: δ < 1/N and the other plan checks need only N.
+    with blamed_on("model.name_or_path", cfg.model.name_or_path):
+        model = build_model(cfg.model, tokenizer, seed=int(cfg.seed)).to(device)
+    initial_weights = weights_fingerprint(model)
+
+    # The mechanism's randomness is secret (never from `seed`); `seed` drives what is public.
+    randomness = mechanism_randomness(cfg, device, parallel)
+    generators = {"probes": torch.Generator(device=device).manual_seed(int(cfg.seed) * 3 + 3)}
+    matrices = hidden_matrices(model)
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ledger = open_ledger(cfg, run_dir, plan, data, parallel)
+    noise = GaussianNoise(randomness.noise, secure=randomness.secure)
+    partition, accountant, release = build_release(cfg, model, named, matrices, plan, noise, parallel, ledger)
+    optimizer = build_optimizer(
+        cfg.optimizer.kind,
+        OptimizerInputs(params=named, hidden_matrices=matrices, release_noise_std=release.release_noise_std(), generator=generators["probes"]),
+        OmegaConf.to_container(cfg.optimizer, resolve=True),
+    )
+    sampling = cfg.privacy.sampling if plan.private else "poisson"
+    sampler = build_lot_sampler(sampling, plan.dataset_size, plan.expected_lot_size, randomness.sampler, secure=randomness.secure)
+    with blamed_on("optimizer.warmup_steps", cfg.optimizer.warmup_steps):
+        scheduler = build_scheduler(optimizer, cfg.optimizer.schedule, plan.steps, int(cfg.optimizer.warmup_steps))
+    oracle = build_oracle(cfg, getattr(optimizer, "parts", {}).get("muon"), {p: n for n, p in named.items()}, release, parallel)
+    # Under bf16 a kernel's rounding depends on the batch shape: fixed shapes keep each example's
+    # clipped contribution independent of the rest of the lot (see training/batching.py).
+    fixed_shape = plan.private and fixed_batch_shape(cfg, resolve_precision(cfg.trainer.precision, device))
+    return Training(
+        cfg, run_dir, device, parallel, autocast_factory(cfg.trainer.precision, device), tokenizer, data, plan, model,
+        initial_weights, randomness, generators, named, ledger, partition, accountant, release, optimizer, sampler,
+        scheduler, oracle, min(int(cfg.dataset.max_length), max_length) if fixed_shape else None, MetricsLog(run_dir / "metrics.jsonl"),
+    )
 
 
-class StopRequest:
-    """SIGINT/SIGTERM finish the current step, checkpoint and exit; a second signal aborts."""
+def privacy_plan(cfg: DictConfig, dataset_size: int) -> PrivacyPlan:
+    """q, steps and σ, fixed before step 1 (and said)."""
+    plan = make_plan(
+        private=bool(cfg.optimizer.private),
+        dataset_size=dataset_size,
+        expected_lot_size=int(cfg.privacy.expected_lot_size),
+        epochs=cfg.trainer.epochs,
+        steps=cfg.trainer.steps,
+        target_epsilon=float(cfg.privacy.target_epsilon),
+        delta=float(cfg.privacy.delta),
+        accountant=str(cfg.privacy.accountant),
+        noise_multiplier=cfg.privacy.noise_multiplier,
+    )
+    if plan.private:
+        log(
+            f"privacy plan: N={plan.dataset_size:,}, q={plan.sample_rate:.5f}, {plan.steps} steps, "
+            f"σ={plan.noise_multiplier:.4f} → ε={plan.planned_epsilon:.4f} ≤ {plan.target_epsilon} at δ={plan.delta:g} "
+            f"(δ·N={plan.delta_times_n:.3g}, {plan.accountant})"
+        )
+    else:
+        log(f"NON-PRIVATE reference run: N={plan.dataset_size:,}, {plan.steps} steps, no clipping, no noise")
+    return plan
 
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous = {}
 
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
+# ---- resume ------------------------------------------------------------------------------------
 
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-        self.signum = signum
-        log(f"received {signal.Signals(signum).name}: finishing this step, then checkpointing")
 
-    def requested(self, parallel: DataParallel) -> bool:
-        """Stop if any rank was signalled, so that all ranks stop at the same step."""
-        if parallel.world_size == 1:
-            return self.signum is not None
-        flag = torch.tensor([1.0 if self.signum is not None else 0.0])
-        parallel.all_reduce_sum([flag])
-        return bool(flag.item() > 0)
+def resume(t: Training) -> None:
+    """Continue from the checkpoint and the mechanism state, if any; open the metrics and logger."""
+    state = load_checkpoint(t.checkpoint_path)
+    logger_id = None
+    if state is not None:
+        check_resume_compatible(state["plan"], t.plan)
+        t.model.load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optimizer"])
+        t.scheduler.load_state_dict(state["scheduler"])
+        rng_restore(state["rng"], t.generators)
+        t.start_step, t.train_seconds, logger_id = state["step"], state.get("train_seconds", 0.0), state.get("logger_id")
+    t.last_step = t.start_step
+    if t.private:
+        restore_mechanism(t.randomness, t.sampler, t.release, t.mechanism_state_path, t.start_step, t.ledger, t.parallel)
+    if state is not None or (t.ledger is not None and t.ledger.releases):
+        spent = f", ε so far {t.accountant.epsilon():.4f} (from the ledger)" if t.accountant else ""
+        log(f"resumed from step {t.start_step} of {t.plan.steps}{spent}")
+    if t.parallel.is_main:
+        moved = t.metrics.set_aside_after(t.start_step)
+        if moved:
+            log(f"{moved} metrics row(s) past step {t.start_step} moved to {t.metrics.superseded_path.name} (superseded, not deleted)")
+        config = {**public_config(t.cfg), "plan": t.plan.as_dict()}
+        t.logger = build_logger(t.cfg.logger, t.run_dir, config, logger_id, t.run_dir.name, per_step=t.diagnostics)
+    else:
+        t.logger = NullLogger()
+    if t.private and t.start_step == 0 and t.parallel.is_main:  # a kill before the first checkpoint can still replay
+        save_mechanism(t, 0)
 
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+
+def save_mechanism(t: Training, step: int) -> None:
+    state = {"randomness": t.randomness.state_dict(), "sampler": t.sampler.state_dict()}
+    save_mechanism_state(t.mechanism_state_path, step, state)
+
+
+def checkpoint(t: Training, step: int) -> None:
+    if not t.parallel.is_main:
+        return
+    if t.private:  # the secret half first: a checkpoint never exists without its mechanism state
+        save_mechanism(t, step)
+    save_checkpoint(
+        t.checkpoint_path,
+        {
+            "step": step,
+            "model": t.model.state_dict(),
+            "optimizer": t.optimizer.state_dict(),
+            "scheduler": t.scheduler.state_dict(),
+            "rng": rng_snapshot(t.generators),
+            "plan": t.plan.as_dict(),
+            **({"train_seconds": t.train_seconds} if t.diagnostics else {}),
+            "logger_id": t.logger.run_id,
+        },
+    )
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+
+def train(t: Training) -> str | None:
+    """Every remaining step; returns why training stopped early (the budget guard) or None."""
+    t.model.train()
+    with StopRequest() as stop:
+        bar = tqdm(
+            range(t.start_step + 1, t.plan.steps + 1), desc="train", disable=not (t.progress and t.parallel.is_main),
+            initial=t.start_step, total=t.plan.steps,
+            # Without diagnostics the bar shows no rate or elapsed time: step time reveals the lot size.
+            bar_format=None if t.diagnostics else "{l_bar}{bar}| {n_fmt}/{total_fmt}",
+        )
+        for step in bar:
+            if t.accountant and not within_budget(t.accountant, t.plan):
+                reason = f"budget guard: releasing step {step} would exceed ε={t.plan.target_epsilon} (ε spent {t.accountant.epsilon():.4f})"
+                log(f"{reason}; stopping")
+                checkpoint(t, t.last_step)
+                return reason
+            row = train_step(t, step)
+            bar.set_postfix({k: f"{row[k]:.4g}" for k in ("train_loss", "val_nll", "epsilon") if row.get(k) is not None})
+            t.scheduler.step()  # after the row: it logs the rate this step used
+            stopping = stop.requested(t.parallel)
+            ckpt_every = int(t.cfg.trainer.checkpoint_every)
+            if (ckpt_every and step % ckpt_every == 0) or step == t.plan.steps or stopping:
+                checkpoint(t, step)
+            if stopping:
+                t.logger.finish()
+                log(f"checkpointed at step {step}; resume with: python -m dpmuon.train resume={t.run_dir}")
+                raise SystemExit(128 + (stop.signum or signal.SIGTERM))
+        bar.close()
+    return None
+
+
+def train_step(t: Training, step: int) -> dict[str, Any]:
+    """Release one lot, step the optimizer, log the step's metrics row (returned)."""
+    started = time.perf_counter()
+    try:
+        stats = release_step(t, step)
+    except NonFiniteReleaseError as err:
+        raise UserError(f"step {step}: {err}") from None
+    oracle_fields = t.oracle.step() if t.oracle else {}  # before the optimizer moves the weights
+    t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    broken = [n for n, p in t.named.items() if not torch.isfinite(p).all()]
+    if broken:  # stop before a checkpoint could save the broken weights
+        raise UserError(f"step {step}: parameters became non-finite ({broken[0]}, …); lower the learning rate")
+    elapsed = time.perf_counter() - started
+    t.train_seconds += elapsed
+    t.last_step = step
+    row = metrics_row(t, step, stats, oracle_fields, elapsed)
+    evaluated = "val_nll" in row or step == t.plan.steps
+    t.logger.log(_finite(row), publish=evaluated)
+    return row
+
+
+def release_step(t: Training, step: int):
+    """Sample a lot and release it; a replay that cannot reproduce its output is redone fresh."""
+    try:
+        return t.release.release(lot_batches(t, next_lot(t)), loss_function(t), step)
+    except ReplayMismatchError as err:
+        log(f"{err}; redrawing lot and noise from fresh OS entropy (charged as a new release)")
+        t.randomness.reseed_from_os_entropy()
+        share_rank0_randomness(t.randomness, t.parallel)  # ranks must keep drawing one lot
+        t.release.noise_may_repeat = False
+        return t.release.release(lot_batches(t, next_lot(t)), loss_function(t), step)
+
+
+def next_lot(t: Training) -> list[int]:
+    lot = t.sampler.next_lot()
+    if t.parallel.world_size > 1 and t.randomness.secure:  # CSPRNG lots differ per rank: rank 0's counts
+        lot = t.parallel.broadcast_object(lot if t.parallel.is_main else None)
+    return lot
+
+
+def lot_batches(t: Training, lot: list[int]):
+    """This rank's share of the lot as device micro-batches."""
+    size, pad_id = int(t.cfg.trainer.micro_batch_size), t.tokenizer.pad_token_id
+    shard = t.parallel.shard(lot)
+    for batch in lot_micro_batches(t.data.train, shard, size, pad_id, fixed_width=t.fixed_width, fixed_rows=t.fixed_width is not None):
+        yield {k: v.to(t.device) for k, v in batch.items()}
+
+
+def loss_function(t: Training):
+    def loss_fn(model, batch):
+        with t.autocast():
+            return per_example_lm_loss(model, batch)
+
+    return loss_fn
+
+
+def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: float) -> dict[str, Any]:
+    """The step's metrics row: public values always, the raw lot's only with diagnostics on."""
+    row: dict[str, Any] = {"step": step, "lr": t.optimizer.param_groups[0]["lr"]}
+    if t.accountant and (step % max(1, int(t.cfg.logging.epsilon_every)) == 0 or step == t.plan.steps):
+        row["epsilon"] = t.accountant.epsilon()
+    if t.private:
+        row.update(t.release.noise_std_range())  # (a replayed, uncharged release is marked in the ledger)
+        names = {p: n for n, p in t.named.items()}
+        diagnose = getattr(t.optimizer, "diagnostics", None)
+        for key, values in (diagnose() if diagnose else {}).items():  # computed from the release: public
+            row[key] = {names[p]: v for p, v in values.items()}
+            row[f"{key}_median"] = statistics.median(values.values())
+    if t.diagnostics:
+        row.update(diagnostic_fields(stats, t.partition, t.private), **oracle_fields, step_seconds=elapsed)
+    eval_every = int(t.cfg.trainer.eval_every) if t.validate else 0
+    if t.parallel.is_main and (bool(eval_every and step % eval_every == 0) or (t.validate and step == t.plan.steps)):
+        row["val_nll"] = validation_nll(t)
+    return row
+
+
+def validation_nll(t: Training) -> float:
+    batch = int(t.cfg.eval.batch_size) * 4
+    return token_nll(t.model, t.data.valid, t.tokenizer.pad_token_id, batch, t.device, t.autocast, t.progress, "valid nll")
+
+
+# ---- evaluation and summary --------------------------------------------------------------------
+
+
+def evaluate(t: Training) -> tuple[float | None, dict]:
+    """Test NLL and decoding (skipped when eval.test=false: the test set stays unseen)."""
+    cfg, pad_id = t.cfg, t.tokenizer.pad_token_id
+    if not cfg.eval.test:
+        return None, dict.fromkeys(SCORE_KEYS)
+    log("evaluating on the test set")
+    test_nll = token_nll(t.model, t.data.test, pad_id, int(cfg.eval.batch_size) * 4, t.device, t.autocast, t.progress, "test nll")
+    generations = decode(t.model, t.tokenizer, [item.source for item in t.data.test_items], cfg.eval, t.device, t.autocast, t.progress)
+    atomic_write(t.run_dir / "generations.txt", lambda f: f.write("".join(g.replace("\n", " ") + "\n" for g in generations).encode()))
+    return test_nll, score(generations, [item.references for item in t.data.test_items])
+
+
+def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, scores: dict, version: str, command: str) -> dict[str, Any]:
+    """The run's summary.json: what was run, what it cost in privacy, and what it scored."""
+    cfg, plan, private = t.cfg, t.plan, t.private
+    return {
+        "dataset": cfg.dataset.name,
+        "optimizer": cfg.optimizer.name,
+        "model": cfg.model.name,
+        "seed": int(cfg.seed),
+        "private": private,
+        "target_epsilon": plan.target_epsilon,
+        "epsilon": t.accountant.epsilon() if t.accountant else None,
+        "delta": plan.delta,
+        "delta_times_n": plan.delta_times_n,
+        "noise_multiplier": plan.noise_multiplier,
+        "sample_rate": plan.sample_rate,
+        "expected_lot_size": plan.expected_lot_size,
+        "dataset_size": plan.dataset_size,
+        "steps": t.last_step,
+        "planned_steps": plan.steps,
+        "releases_charged": t.accountant.steps if t.accountant else None,
+        "stopped_by_budget_guard": stop_reason is not None,
+        "stop_reason": stop_reason,
+        "mechanism_randomness": t.randomness.source if private else None,
+        "data_fingerprint": t.data.train_source,
+        "validation_split": validation_split(cfg) if t.validate else None,
+        "accountant": plan.accountant,
+        "clip_mode": cfg.privacy.clip_mode if private else None,
+        "clip_norm": float(cfg.privacy.clip_norm) if private else None,
+        "sampling": cfg.privacy.sampling if private else "poisson",
+        "engine": cfg.privacy.engine if private else None,
+        "world_size": t.parallel.world_size,
+        "tied_lm_head": lm_head_is_tied(t.model),
+        "initial_weights_sha256": t.initial_weights,
+        "final_weights_sha256": weights_fingerprint(t.model),
+        "test_nll": test_nll,
+        "val_nll": _last(t.metrics.rows(), "val_nll"),
+        **{key: scores[key] for key in SCORE_KEYS},
+        "test_sources": len(t.data.test_items) if cfg.eval.test else 0,
+        **({"train_seconds": t.train_seconds} if t.diagnostics else {}),
+        "git_commit": version,
+        "command": command,
+        "run_dir": str(t.run_dir),
+    }
+
+
+def finish(t: Training, summary: dict[str, Any]) -> None:
+    """Write the summary and curves, save the model if asked, and remove what must not outlive the run."""
+    if t.cfg.trainer.save_model:
+        t.model.save_pretrained(t.run_dir / "model")
+        t.tokenizer.save_pretrained(t.run_dir / "model")
+    atomic_write_json(t.run_dir / "summary.json", summary)
+    t.logger.summary(summary)
+    figures = write_curves([Run(t.run_dir, summary)], t.run_dir / "curves")
+    t.logger.images({f"curves/{path.stem}": path for path in figures})
+    t.logger.finish()
+    if not t.cfg.trainer.keep_checkpoint:
+        t.checkpoint_path.unlink(missing_ok=True)
+    if not t.cfg.privacy.get("keep_mechanism_state", False):
+        t.mechanism_state_path.unlink(missing_ok=True)  # the run is complete: nothing left to replay
+    shown = {k: summary[k] for k in ("test_nll", "val_nll", "bleu", "rouge_l", "epsilon") if summary[k] is not None}
+    log("done: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) + f" → {t.run_dir}")
+
+
+# ---- the parts -----------------------------------------------------------------------------------
 
 
 def build_release(cfg: DictConfig, model, named: dict, matrices: dict, plan, noise: GaussianNoise, parallel: DataParallel, ledger):
@@ -192,297 +535,6 @@ def share_rank0_randomness(randomness: MechanismRandomness, parallel: DataParall
         randomness.load_state_dict(parallel.broadcast_object(randomness.state_dict() if parallel.is_main else None))
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Train, evaluate and write the run's artifacts; returns the summary (None on ranks > 0)."""
-    validate_config(cfg)  # types, ranges and choices: before any data, tokenizer or model is read
-    version, command = code_version(), redact(command_line())  # of the code that starts the run
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(int(cfg.trainer.num_threads))
-    torch.manual_seed(int(cfg.seed))
-    device = resolve_device(cfg.trainer.device)
-    parallel = init_data_parallel(device.type)
-    # Every rank writes into rank 0's directory (Hydra's timestamps may differ between ranks).
-    run_dir = Path(parallel.broadcast_object(str(run_dir)) if parallel.world_size > 1 else run_dir)
-    if parallel.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    autocast = autocast_factory(cfg.trainer.precision, device)
-    diagnostics = bool(cfg.logging.nonprivate_diagnostics)
-    progress = bool(cfg.logging.progress)
-    private = bool(cfg.optimizer.private)
-    validate = bool(cfg.eval.get("validation", True))
-
-    # ---- data and model -------------------------------------------------------------------
-    # Data first: input errors surface before any model is built or downloaded.
-    with blamed_on("model.tokenizer", cfg.model.tokenizer):
-        tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.get("bpe_merges"))
-    with blamed_on("model.name_or_path", cfg.model.name_or_path):
-        max_length = context_length(cfg.model)
-    data = prepare_data(cfg.dataset, cfg.data, tokenizer, max_length, log)
-    pad_id = tokenizer.pad_token_id
-
-    # ---- privacy plan: q, steps and σ are fixed before step 1 ------------------------------
-    plan = make_plan(
-        private=private,
-        dataset_size=len(data.train),
-        expected_lot_size=int(cfg.privacy.expected_lot_size),
-        epochs=cfg.trainer.epochs,
-        steps=cfg.trainer.steps,
-        target_epsilon=float(cfg.privacy.target_epsilon),
-        delta=float(cfg.privacy.delta),
-        accountant=str(cfg.privacy.accountant),
-        noise_multiplier=cfg.privacy.noise_multiplier,
-    )
-    if private:
-        log(
-            f"privacy plan: N={plan.dataset_size:,}, q={plan.sample_rate:.5f}, {plan.steps} steps, "
-            f"σ={plan.noise_multiplier:.4f} → ε={plan.planned_epsilon:.4f} ≤ {plan.target_epsilon} at δ={plan.delta:g} "
-            f"(δ·N={plan.delta_times_n:.3g}, {plan.accountant})"
-        )
-    else:
-        log(f"NON-PRIVATE reference run: N={plan.dataset_size:,}, {plan.steps} steps, no clipping, no noise")
-
-    # The model only after the plan: δ < 1/N and the other plan checks need only N.
-    with blamed_on("model.name_or_path", cfg.model.name_or_path):
-        model = build_model(cfg.model, tokenizer, seed=int(cfg.seed)).to(device)
-    # Recorded before any checkpoint is loaded: the starting point of the run, resumed or not.
-    initial_weights = weights_fingerprint(model)
-
-    # ---- the mechanism and the optimizer ---------------------------------------------------
-    # The mechanism's randomness is secret (never from `seed`); `seed` drives what is public.
-    randomness = mechanism_randomness(cfg, device, parallel)
-    generators = {"probes": torch.Generator(device=device).manual_seed(int(cfg.seed) * 3 + 3)}
-    matrices = hidden_matrices(model)
-    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    ledger = open_ledger(cfg, run_dir, plan, data, parallel)
-    noise = GaussianNoise(randomness.noise, secure=randomness.secure)
-    partition, accountant, release = build_release(cfg, model, named, matrices, plan, noise, parallel, ledger)
-    optimizer = build_optimizer(
-        cfg.optimizer.kind,
-        OptimizerInputs(params=named, hidden_matrices=matrices, release_noise_std=release.release_noise_std(), generator=generators["probes"]),
-        OmegaConf.to_container(cfg.optimizer, resolve=True),
-    )
-    sampling = cfg.privacy.sampling if private else "poisson"
-    sampler = build_lot_sampler(sampling, plan.dataset_size, plan.expected_lot_size, randomness.sampler, secure=randomness.secure)
-    with blamed_on("optimizer.warmup_steps", cfg.optimizer.warmup_steps):
-        scheduler = build_scheduler(optimizer, cfg.optimizer.schedule, plan.steps, int(cfg.optimizer.warmup_steps))
-    muon = getattr(optimizer, "parts", {}).get("muon")
-    matrix_name = {p: n for n, p in named.items()}
-    oracle = build_oracle(cfg, muon, matrix_name, release, parallel)
-
-    # ---- resume ----------------------------------------------------------------------------
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    ckpt_path, mech_path = run_dir / CHECKPOINT_FILE, run_dir / MECHANISM_STATE_FILE
-    state = load_checkpoint(ckpt_path)
-    start_step, train_seconds, logger_id = 0, 0.0, None
-    if state is not None:
-        check_resume_compatible(state["plan"], plan)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        rng_restore(state["rng"], generators)
-        start_step, train_seconds, logger_id = state["step"], state.get("train_seconds", 0.0), state.get("logger_id")
-    if private:
-        restore_mechanism(randomness, sampler, release, mech_path, start_step, ledger, parallel)
-    if state is not None or (ledger is not None and ledger.releases):
-        log(f"resumed from step {start_step} of {plan.steps}" + (f", ε so far {accountant.epsilon():.4f} (from the ledger)" if accountant else ""))
-    config = public_config(cfg)
-    if parallel.is_main:
-        moved = metrics.set_aside_after(start_step)
-        if moved:
-            log(f"{moved} metrics row(s) past step {start_step} moved to {metrics.superseded_path.name} (superseded, not deleted)")
-        logger = build_logger(cfg.logger, run_dir, {**config, "plan": plan.as_dict()}, logger_id, run_dir.name, per_step=diagnostics)
-    else:
-        logger = NullLogger()
-
-    def save_mechanism(step: int) -> None:
-        save_mechanism_state(mech_path, step, {"randomness": randomness.state_dict(), "sampler": sampler.state_dict()})
-
-    def checkpoint(step: int) -> None:
-        if not parallel.is_main:
-            return
-        if private:  # the secret half first: a checkpoint never exists without its mechanism state
-            save_mechanism(step)
-        save_checkpoint(
-            ckpt_path,
-            {
-                "step": step,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_snapshot(generators),
-                "plan": plan.as_dict(),
-                **({"train_seconds": train_seconds} if diagnostics else {}),
-                "logger_id": logger.run_id,
-            },
-        )
-
-    if private and start_step == 0 and parallel.is_main:  # a kill before the first checkpoint can still replay
-        save_mechanism(0)
-
-    def next_lot() -> list[int]:
-        lot = sampler.next_lot()
-        if parallel.world_size > 1 and randomness.secure:  # CSPRNG lots differ per rank: rank 0's counts
-            lot = parallel.broadcast_object(lot if parallel.is_main else None)
-        return lot
-
-    # Under bf16 a kernel's rounding depends on the batch shape: fixed shapes keep each example's
-    # clipped contribution independent of the rest of the lot (see training/batching.py).
-    fixed_shape = private and fixed_batch_shape(cfg, resolve_precision(cfg.trainer.precision, device))
-    fixed_width = min(int(cfg.dataset.max_length), context_length(cfg.model)) if fixed_shape else None
-
-    def lot_batches(lot: list[int]):
-        shard = parallel.shard(lot)
-        for batch in lot_micro_batches(data.train, shard, int(cfg.trainer.micro_batch_size), pad_id, fixed_width=fixed_width, fixed_rows=fixed_shape):
-            yield {k: v.to(device) for k, v in batch.items()}
-
-    def loss_fn(m, batch):
-        with autocast():
-            return per_example_lm_loss(m, batch)
-
-    def release_step(step: int):
-        """Sample a lot and release it; a replay that cannot reproduce its output is redone fresh."""
-        try:
-            return release.release(lot_batches(next_lot()), loss_fn, step)
-        except ReplayMismatchError as err:
-            log(f"{err}; redrawing lot and noise from fresh OS entropy (charged as a new release)")
-            randomness.reseed_from_os_entropy()
-            share_rank0_randomness(randomness, parallel)  # ranks must keep drawing one lot
-            release.noise_may_repeat = False
-            return release.release(lot_batches(next_lot()), loss_fn, step)
-
-    def validation_nll() -> float:
-        return token_nll(model, data.valid, pad_id, int(cfg.eval.batch_size) * 4, device, autocast, progress, "valid nll")
-
-    # ---- training --------------------------------------------------------------------------
-    model.train()
-    eval_every, ckpt_every = (int(cfg.trainer.eval_every) if validate else 0), int(cfg.trainer.checkpoint_every)
-    eps_every = max(1, int(cfg.logging.epsilon_every))
-    noise_std = release_noise_std_stats(release, plan) if private else {}
-    stop_reason, last_step = None, start_step
-    with StopRequest() as stop:
-        bar = tqdm(
-            range(start_step + 1, plan.steps + 1), desc="train", disable=not (progress and parallel.is_main), initial=start_step, total=plan.steps,
-            # Without diagnostics the bar shows no rate or elapsed time: step time reveals the lot size.
-            bar_format=None if diagnostics else "{l_bar}{bar}| {n_fmt}/{total_fmt}",
-        )
-        for step in bar:
-            if accountant and not within_budget(accountant, plan):
-                stop_reason = f"budget guard: releasing step {step} would exceed ε={plan.target_epsilon} (ε spent {accountant.epsilon():.4f})"
-                log(f"{stop_reason}; stopping")
-                checkpoint(last_step)
-                break
-            t0 = time.perf_counter()
-            try:
-                stats = release_step(step)
-            except NonFiniteReleaseError as err:
-                raise UserError(f"step {step}: {err}") from None
-            oracle_fields = oracle.step() if oracle else {}  # before the optimizer moves the weights
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            broken = [n for n, p in named.items() if not torch.isfinite(p).all()]
-            if broken:  # stop before a checkpoint could save the broken weights
-                raise UserError(f"step {step}: parameters became non-finite ({broken[0]}, …); lower the learning rate")
-            elapsed = time.perf_counter() - t0
-            train_seconds += elapsed
-            last_step = step
-
-            row: dict[str, Any] = {"step": step, "lr": optimizer.param_groups[0]["lr"]}
-            if accountant and (step % eps_every == 0 or step == plan.steps):
-                row["epsilon"] = accountant.epsilon()
-            if private:
-                row.update(noise_std)  # (a replayed, uncharged release is marked in the ledger)
-            if muon is not None and private:
-                snr = {matrix_name[p]: v for p, v in muon.snr.items()}
-                row["snr"] = snr
-                row["snr_median"] = statistics.median(snr.values())
-            if diagnostics:
-                row.update(diagnostic_fields(stats, partition, private), **oracle_fields, step_seconds=elapsed)
-            evaluated = bool(eval_every and step % eval_every == 0) or (validate and step == plan.steps)
-            if parallel.is_main and evaluated:
-                row["val_nll"] = validation_nll()
-            logger.log(_finite(row), publish=evaluated or step == plan.steps)
-            bar.set_postfix({k: f"{row[k]:.4g}" for k in ("train_loss", "val_nll", "epsilon") if row.get(k) is not None})
-
-            scheduler.step()  # after the row: it logs the rate this step used
-            stopping = stop.requested(parallel)
-            if (ckpt_every and step % ckpt_every == 0) or step == plan.steps or stopping:
-                checkpoint(step)
-            if stopping:
-                logger.finish()
-                log(f"checkpointed at step {step}; resume with: python -m dpmuon.train resume={run_dir}")
-                raise SystemExit(128 + (stop.signum or signal.SIGTERM))
-        bar.close()
-    release.close()
-    if not parallel.is_main:  # rank 0 evaluates and writes the artifacts
-        return None
-
-    # ---- evaluation ------------------------------------------------------------------------
-    if cfg.eval.test:
-        log("evaluating on the test set")
-        test_nll = token_nll(model, data.test, pad_id, int(cfg.eval.batch_size) * 4, device, autocast, progress, "test nll")
-        generations = decode(model, tokenizer, [item.source for item in data.test_items], cfg.eval, device, autocast, progress)
-        atomic_write(run_dir / "generations.txt", lambda f: f.write("".join(g.replace("\n", " ") + "\n" for g in generations).encode()))
-        scores = score(generations, [item.references for item in data.test_items])
-    else:  # e.g. learning-rate tuning on the validation split: the test set stays unseen
-        test_nll, scores = None, dict.fromkeys(SCORE_KEYS)
-    if cfg.trainer.save_model:
-        model.save_pretrained(run_dir / "model")
-        tokenizer.save_pretrained(run_dir / "model")
-
-    summary = {
-        "dataset": cfg.dataset.name,
-        "optimizer": cfg.optimizer.name,
-        "model": cfg.model.name,
-        "seed": int(cfg.seed),
-        "private": private,
-        "target_epsilon": plan.target_epsilon,
-        "epsilon": accountant.epsilon() if accountant else None,
-        "delta": plan.delta,
-        "delta_times_n": plan.delta_times_n,
-        "noise_multiplier": plan.noise_multiplier,
-        "sample_rate": plan.sample_rate,
-        "expected_lot_size": plan.expected_lot_size,
-        "dataset_size": plan.dataset_size,
-        "steps": last_step,
-        "planned_steps": plan.steps,
-        "releases_charged": accountant.steps if accountant else None,
-        "stopped_by_budget_guard": stop_reason is not None,
-        "stop_reason": stop_reason,
-        "mechanism_randomness": randomness.source if private else None,
-        "data_fingerprint": data.train_source,
-        "validation_split": validation_split(cfg) if validate else None,
-        "accountant": plan.accountant,
-        "clip_mode": cfg.privacy.clip_mode if private else None,
-        "clip_norm": float(cfg.privacy.clip_norm) if private else None,
-        "sampling": sampling,
-        "engine": cfg.privacy.engine if private else None,
-        "world_size": parallel.world_size,
-        "tied_lm_head": lm_head_is_tied(model),
-        "initial_weights_sha256": initial_weights,
-        "final_weights_sha256": weights_fingerprint(model),
-        "test_nll": test_nll,
-        "val_nll": _last(metrics.rows(), "val_nll"),
-        **{key: scores[key] for key in SCORE_KEYS},
-        "test_sources": len(data.test_items) if cfg.eval.test else 0,
-        **({"train_seconds": train_seconds} if diagnostics else {}),
-        "git_commit": version,
-        "command": command,
-        "run_dir": str(run_dir),
-    }
-    atomic_write_json(run_dir / "summary.json", summary)
-    logger.summary(summary)
-    figures = write_curves([Run(run_dir, summary)], run_dir / "curves")
-    logger.images({f"curves/{path.stem}": path for path in figures})
-    logger.finish()
-    if not cfg.trainer.keep_checkpoint:
-        ckpt_path.unlink(missing_ok=True)
-    if not cfg.privacy.get("keep_mechanism_state", False):
-        mech_path.unlink(missing_ok=True)  # the run is complete: nothing left to replay
-    shown = {k: summary[k] for k in ("test_nll", "val_nll", "bleu", "rouge_l", "epsilon") if summary[k] is not None}
-    log("done: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) + f" → {run_dir}")
-    return summary
-
-
 def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledger, parallel: DataParallel) -> None:
     """Continue the mechanism's secret draws from `step`, or start fresh ones if they are gone.
 
@@ -540,13 +592,6 @@ def public_config(cfg: DictConfig) -> dict:
     return config
 
 
-def release_noise_std_stats(release: Privatizer, plan) -> dict[str, float]:
-    """Per-entry noise std of g̃ that the privatizer uses, over blocks (they differ when
-    thresholds differ under proportional allocation)."""
-    stds = sorted(s / plan.expected_lot_size for s in release.block_stds)
-    return {"noise_std": statistics.median(stds), "noise_std_min": stds[0], "noise_std_max": stds[-1]}
-
-
 def diagnostic_fields(stats, partition, private: bool) -> dict[str, Any]:
     """Quantities computed from the raw lot, outside the guarantee (logging.nonprivate_diagnostics)."""
     fields: dict[str, Any] = {"train_loss": stats.train_loss, "lot_size": stats.lot_size}
@@ -557,20 +602,6 @@ def diagnostic_fields(stats, partition, private: bool) -> dict[str, Any]:
             fields["clip_fraction"] = sum(fractions) / len(fractions)
             fields["clip_fraction_by_block"] = {b.name: f for b, f in zip(partition.blocks, fractions)}
     return fields
-
-
-def within_budget(accountant: PrivacyAccountant, plan) -> bool:
-    """Would one more release keep ε ≤ target?
-
-    While the ledger is the plan's own (σ, q) and stays within its steps, ε is bounded by the
-    planned ε, which make_plan verified — no accountant call needed. Anything else (a ledger
-    from elsewhere) is checked exactly.
-    """
-    history = accountant.history
-    on_plan = all((s, q) == (plan.noise_multiplier, plan.sample_rate) for s, q, _ in history)
-    if on_plan and accountant.steps + 1 <= plan.steps:
-        return True
-    return accountant.epsilon_with(1, plan.noise_multiplier, plan.sample_rate) <= plan.target_epsilon
 
 
 def _finite(row: dict) -> dict:

@@ -1,7 +1,8 @@
 """The privacy plan of a run, fixed before step 1: q, steps, σ, and the ε they reach.
 
 The budget guard lives here: a plan whose ε exceeds the target is refused (with the overshoot),
-and impossible settings are rejected with one clear message.
+impossible settings are rejected with one clear message, and every step is checked before it
+is taken (`within_budget`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
-from ..privacy import calibrate_noise_multiplier, epsilon_after, plan_steps
+from ..privacy import PrivacyAccountant, calibrate_noise_multiplier, epsilon_after, plan_steps
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,17 @@ def check_resume_compatible(stored: dict, current: PrivacyPlan) -> None:
         same = old == new or (isinstance(old, float) and isinstance(new, float) and math.isclose(old, new, rel_tol=1e-12))
         if not same:
             raise UserError(f"cannot resume: the stored run has {key}={old!r}, this configuration gives {new!r}")
+
+
+def within_budget(accountant: PrivacyAccountant, plan: PrivacyPlan) -> bool:
+    """Would one more release keep ε ≤ target?
+
+    While the ledger is the plan's own (σ, q) and stays within its steps, ε is bounded by the
+    planned ε, which make_plan verified — no accountant call needed. Anything else (a ledger
+    from elsewhere) is checked exactly.
+    """
+    history = accountant.history
+    on_plan = all((s, q) == (plan.noise_multiplier, plan.sample_rate) for s, q, _ in history)
+    if on_plan and accountant.steps + 1 <= plan.steps:
+        return True
+    return accountant.epsilon_with(1, plan.noise_multiplier, plan.sample_rate) <= plan.target_epsilon

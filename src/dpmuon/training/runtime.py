@@ -1,0 +1,81 @@
+"""What a run needs from its process: one log voice, the device, the autocast precision, and
+signals that stop it cleanly at a step boundary."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import UserError
+from ..privacy.distributed import DataParallel
+
+
+def log(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:  # one voice under torchrun
+        tqdm.write(f"[dpmuon] {message}", file=sys.stderr)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown trainer.device {name!r}; valid: auto, cpu, cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("trainer.device=cuda but no CUDA device is available")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # torchrun: one GPU per process
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`auto` is bf16 autocast on GPU and fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def autocast_factory(precision: str, device: torch.device):
+    """bf16 autocast for the model's forward; clipping, noise and optimizer stay fp32."""
+    precision = resolve_precision(precision, device)
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision == "bf16":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    raise UserError(f"unknown trainer.precision {precision!r}; valid: auto, fp32, bf16")
+
+
+class StopRequest:
+    """SIGINT/SIGTERM finish the current step, checkpoint and exit; a second signal aborts."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        self.signum = signum
+        log(f"received {signal.Signals(signum).name}: finishing this step, then checkpointing")
+
+    def requested(self, parallel: DataParallel) -> bool:
+        """Stop if any rank was signalled, so that all ranks stop at the same step."""
+        if parallel.world_size == 1:
+            return self.signum is not None
+        flag = torch.tensor([1.0 if self.signum is not None else 0.0])
+        parallel.all_reduce_sum([flag])
+        return bool(flag.item() > 0)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
