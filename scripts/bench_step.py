@@ -39,6 +39,7 @@ import torch
 from dpmuon.config.roster import optimizer_roster
 from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
+from dpmuon.paths import REPO_ROOT
 from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
 
 VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
@@ -49,7 +50,7 @@ RANDOM_MODELS = {
     "llama-tiny": ("llama", Shape(VOCAB, n_layer=4, n_embd=128, n_head=4, n_positions=256, n_kv_head=2, intermediate_size=344)),
 }
 # name → local directory of a pretrained model (`make models/smollm2`); its vocabulary is its own.
-LOCAL_MODELS = {"smollm2": Path(__file__).resolve().parents[1] / "models" / "smollm2"}
+LOCAL_MODELS = {"smollm2": REPO_ROOT / "models" / "smollm2"}
 MODELS = sorted(RANDOM_MODELS) + sorted(LOCAL_MODELS)
 # The roster's optimizers (conf/optimizer/*.yaml) with their YAML hyperparameters at one rate;
 # DP-SGD is left out: its optimizer step is a plain SGD update, nothing to compare.

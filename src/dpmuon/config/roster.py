@@ -12,11 +12,11 @@ import argparse
 import copy
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "conf"
+from ..paths import CONFIG_DIR
+
 OPTIMIZER_DIR = CONFIG_DIR / "optimizer"
 
 

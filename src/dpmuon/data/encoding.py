@@ -1,4 +1,4 @@
-"""Turning Examples into token ids and loss labels (SPEC §3).
+"""Turning Examples into token ids and loss labels (the paper's table-to-text format).
 
 A training sequence is ` {source} {eos} {target} {eos}`; the loss covers only the target
 tokens and the final eos, so labels are IGNORE_INDEX on the prompt (source + separator eos).

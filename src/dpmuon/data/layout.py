@@ -1,6 +1,6 @@
 """Where each dataset split lives under a data root, and which formats exist.
 
-The layout mirrors the public releases (and /work/shared/data style local copies):
+The layout mirrors the public releases (a local copy laid out the same way works too):
 
     <root>/e2e/prefix_tuning_format/src1_{train,valid,test}.txt[.gz]   E2E, format "prefix"
     <root>/e2e/{trainset,devset,testset_w_refs}.csv[.gz]               E2E, format "csv"

@@ -2,7 +2,7 @@
 
 - `metrics`: BLEU (sacrebleu) and ROUGE-L (rouge-score) of generations, multi-reference.
 - `paper`: the paper's reported numbers, quoted for comparison.
-- `runs`: reading run directories (summary.json, metrics.jsonl; SPEC §4).
+- `runs`: reading run directories (summary.json, metrics.jsonl: the run-artifact contract).
 - `grouping`: runs grouped by (optimizer, model, target ε) for averaging over seeds.
 - `tables`, `curves`: the aggregated outputs; `cli` backs scripts/make_tables.py and make_curves.py.
 

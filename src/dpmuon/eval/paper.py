@@ -1,6 +1,7 @@
 """The paper's reported test-set numbers, quoted (not reproduced) for comparison tables.
 
-Source: SPEC §3. None marks a cell whose number was not available to us.
+Source: the paper's tables (Kim & Fan, arXiv 2605.12994). None marks a cell whose number was
+not available to us.
 """
 
 from __future__ import annotations

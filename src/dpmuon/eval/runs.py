@@ -1,4 +1,4 @@
-"""Reading training-run directories (the SPEC §4 artifact contract).
+"""Reading training-run directories (the run-artifact contract: summary.json, metrics.jsonl).
 
 A run directory holds `summary.json` (final numbers and the run's identity) and
 `metrics.jsonl` (one object per logged step). Anything that breaks the contract raises

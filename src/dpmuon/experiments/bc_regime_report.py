@@ -26,6 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
+from ..paths import REPO_ROOT
 from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, SEEDS
 
 NOT_RUN = "not run yet"
@@ -373,7 +374,7 @@ def write_report(root: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    root = Path(argv[0]) if argv else Path(__file__).resolve().parents[3] / "results" / "bc_regime"
+    root = Path(argv[0]) if argv else REPO_ROOT / "results" / "bc_regime"
     for path in write_report(root):
         print(f"wrote {path}")
     return 0

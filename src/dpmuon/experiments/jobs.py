@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+from ..paths import REPO_ROOT
+
+REPO = REPO_ROOT
 # Published per run: the record, without checkpoints or mechanism state.
 PUBLISHED_FILES = {"summary.json": "summary.json", "metrics.jsonl": "metrics.jsonl", ".hydra/config.yaml": "config.yaml", "generations.txt": "generations.txt"}
 

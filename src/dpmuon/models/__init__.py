@@ -1,8 +1,16 @@
 """Models: GPT-2- and Llama-family causal LMs and their per-example loss."""
 
 from .architectures import ARCHITECTURES, Shape
-from .build import build_model, context_length
-from .factory import build_random_gpt2, build_random_lm, lm_head_is_tied, load_pretrained, untie_lm_head, weights_fingerprint
+from .build import (
+    build_model,
+    build_random_gpt2,
+    build_random_lm,
+    context_length,
+    lm_head_is_tied,
+    load_pretrained,
+    untie_lm_head,
+    weights_fingerprint,
+)
 from .lm import IGNORE_INDEX, hidden_matrices, per_example_lm_loss, position_ids_for
 
 __all__ = [

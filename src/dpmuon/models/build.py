@@ -1,14 +1,85 @@
-"""Build the model a config names, sized to the tokenizer (which carries a pad token)."""
+"""Model construction: the model a config names (`build_model`, sized to the tokenizer, which
+carries a pad token) — a hub / local checkpoint of any causal LM, or a random-init GPT-2 or
+Llama-family architecture."""
 
 from __future__ import annotations
 
-from typing import Mapping
+import hashlib
+from collections.abc import Mapping
 
+import torch
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
 
-from .architectures import Shape
-from .factory import build_random_lm, load_pretrained, untie_lm_head
+from .architectures import Shape, architecture, dropout_overrides
+
+
+def build_random_lm(
+    arch: str,
+    shape: Shape,
+    tie_embeddings: bool = True,
+    dropout: float = 0.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+) -> nn.Module:
+    """A randomly initialized causal LM of the `arch` family (the offline stand-in for pretrained weights)."""
+    eos = shape.vocab_size - 1 if eos_token_id is None else eos_token_id
+    config = architecture(arch).random_config(shape, dropout, eos, tie_embeddings)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def build_random_gpt2(
+    vocab_size: int,
+    n_layer: int = 2,
+    n_embd: int = 128,
+    n_head: int = 4,
+    n_positions: int = 256,
+    tie_embeddings: bool = True,
+    dropout: float = 0.0,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+) -> GPT2LMHeadModel:
+    """A randomly initialized GPT-2-architecture model (the offline stand-in for pretrained GPT-2)."""
+    shape = Shape(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions)
+    return build_random_lm("gpt2", shape, tie_embeddings, dropout, seed, eos_token_id)
+
+
+def load_pretrained(name_or_path: str, dropout: float | None = None) -> nn.Module:
+    """A causal LM from a hub id or a local directory; `dropout` sets the family's own dropout keys."""
+    model_type = AutoConfig.from_pretrained(name_or_path).model_type
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **dropout_overrides(model_type, dropout))
+
+
+def untie_lm_head(model: nn.Module) -> None:
+    """Give the LM head its own copy of the token embedding (a separate block and parameter)."""
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    if head is None or head.weight is not embedding.weight:
+        return
+    head.weight = nn.Parameter(embedding.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+
+
+def lm_head_is_tied(model: nn.Module) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """SHA-256 of every parameter's name, dtype, shape and bytes: which weights a run started from.
+
+    A tied tensor counts once (named_parameters deduplicates it), so a model saved with
+    `save_pretrained` and loaded again has the fingerprint it had when it was saved.
+    """
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        tensor = param.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
 
 DEFAULT_ARCHITECTURE = "gpt2"  # model configs written before `model.architecture` existed
 

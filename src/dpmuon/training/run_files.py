@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..paths import REPO_ROOT
+
 
 def atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
     """Write via a temp file in the same directory, fsync, then rename over `path`."""
@@ -106,10 +108,11 @@ class MetricsLog:
 
 def code_version() -> str:
     """Git commit of the code that runs (suffix -dirty when the tree has changes)."""
-    repo = Path(__file__).resolve().parents[3]
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+        commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("-dirty" if dirty else "")
