@@ -117,7 +117,7 @@ class Privatizer:
     accountant: PrivacyAccountant
     noise: GaussianNoise = field(default_factory=GaussianNoise)
     noise_allocation: str = "uniform"
-    engine: str = "opacus"
+    engine: str = "fast"  # as privacy.engine defaults to
     parallel: DataParallel = SINGLE  # this rank's place; micro_batches are then its shard of the lot
     ledger: PrivacyLedger | None = None  # durable record of every release (rank 0 writes it)
     # Non-private diagnostics only: receives each step's clipped sum / B *before* noise.
