@@ -37,10 +37,12 @@ from typing import Any
 import torch
 
 from dpmuon.config.roster import optimizer_roster
+from dpmuon.data import EncodedExample
 from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
 from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
+from dpmuon.training.batching import lot_micro_batches
 
 VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
 # name → (architecture, shape) of a random-init model over GPT-2's vocabulary.
@@ -121,22 +123,10 @@ def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[tuple[list[int]
 
 
 def micro_batches(examples: list[tuple[list[int], list[int]]], micro_batch: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """Right-padded micro-batches, each as wide as its longest sequence (as the trainer pads)."""
-    batches = []
-    for start in range(0, len(examples), micro_batch):
-        chunk = examples[start : start + micro_batch]
-        width = max(len(ids) for ids, _ in chunk)
-        batch = {
-            "input_ids": torch.full((len(chunk), width), pad_id),
-            "attention_mask": torch.zeros(len(chunk), width, dtype=torch.long),
-            "labels": torch.full((len(chunk), width), IGNORE_INDEX),
-        }
-        for row, (ids, labels) in enumerate(chunk):
-            batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
-            batch["attention_mask"][row, : len(ids)] = 1
-            batch["labels"][row, : len(labels)] = torch.tensor(labels)
-        batches.append(batch)
-    return batches
+    """The lot as the trainer batches it (training.batching: sorted by length, each micro-batch
+    right-padded to its own longest sequence)."""
+    encoded = [EncodedExample(input_ids=ids, labels=labels) for ids, labels in examples]
+    return list(lot_micro_batches(encoded, range(len(encoded)), micro_batch, pad_id))
 
 
 # -- one configuration ------------------------------------------------------------------------
