@@ -43,6 +43,7 @@ from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
 from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
 from dpmuon.training.batching import lot_micro_batches
+from dpmuon.training.run_files import code_version
 
 VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
 # name → (architecture, shape) of a random-init model over GPT-2's vocabulary.
@@ -393,7 +394,10 @@ def main(argv: list[str] | None = None) -> None:
         print_phases(phases)
     if args.json:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("memory_probe", "lot_file")}
-        meta = {"settings": settings, "threads": torch.get_num_threads(), "memory": memory_label, "torch": torch.__version__}
+        meta = {
+            "settings": settings, "threads": torch.get_num_threads(), "memory": memory_label, "torch": torch.__version__,
+            "git_commit": code_version(), "command": " ".join(["python", "scripts/bench_step.py", *sys.argv[1:]]),
+        }
         args.json.write_text(json.dumps({**meta, "rows": rows, "phases": {c.label: p for c, p in phases.items()}}, indent=2))
 
 
