@@ -57,7 +57,7 @@ from .loggers import NullLogger, build_logger
 from .mechanism_state import MECHANISM_STATE_FILE, load_mechanism_state, save_mechanism_state
 from .plan import PrivacyPlan, check_resume_compatible, make_plan, within_budget
 from .redact import REDACTED, redact
-from .run_files import MetricsLog, atomic_write, atomic_write_json, code_version, command_line
+from .run_files import MetricsLog, atomic_write, atomic_write_json, code_version, command_line, repo_relative
 from .runtime import StopRequest, autocast_factory, log, resolve_device, resolve_precision
 
 
@@ -442,7 +442,7 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         **({"train_seconds": t.train_seconds} if t.diagnostics else {}),
         "git_commit": version,
         "command": command,
-        "run_dir": str(t.run_dir),
+        "run_dir": repo_relative(str(t.run_dir.resolve())),
     }
 
 

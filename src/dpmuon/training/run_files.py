@@ -119,5 +119,15 @@ def code_version() -> str:
 
 
 def command_line() -> str:
-    """The command that started this process, as typed (interpreter, script or -m module, args)."""
-    return shlex.join([Path(sys.orig_argv[0]).name, *sys.orig_argv[1:]])
+    """The command that started this process (interpreter, script or -m module, args), with paths
+    inside the checkout relative to it: a committed record names no machine's folders."""
+    return shlex.join([Path(sys.orig_argv[0]).name, *(repo_relative(arg) for arg in sys.orig_argv[1:])])
+
+
+def repo_relative(text: str) -> str:
+    """`text` with the checkout's absolute path (as a prefix or after `key=`) made relative."""
+    root = f"{REPO_ROOT}{os.sep}"
+    key, sep, value = text.partition("=")
+    if sep and value.startswith(root):
+        return f"{key}={value[len(root):]}"
+    return text[len(root):] if text.startswith(root) else text
