@@ -51,3 +51,14 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def fast_squared_norms(engine, batch, loss_fn):
+    """({name: [B] float64 ‖g_i‖²}, losses) from a fast engine's internals: the engine itself
+    exposes only clipped sums, but its norms are what the tests compare with a reference."""
+    from dpmuon.privacy.engines.base import full_precision
+
+    losses, calls = engine._forward(batch, loss_fn)
+    with full_precision(losses.device):
+        traces = engine._backward(losses, calls)
+        return engine._squared_norms(traces, losses.shape[0], losses.device), losses.detach()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import VOCAB, tiny_gpt2, token_batch
+from conftest import VOCAB, fast_squared_norms, tiny_gpt2, token_batch
 from torch import nn
 
 from dpmuon.models import hidden_matrices, per_example_lm_loss, position_ids_for
@@ -93,7 +93,7 @@ def test_fast_matches_opacus(tie, left_pad, options, clip_norm):
     ref_squared, ref_summed, ref_stats = opacus_reference(model, partition, batch)
 
     engine = FastEngine(model, partition)
-    squared, _ = engine.per_example_squared_norms(batch, per_example_lm_loss)
+    squared, _ = fast_squared_norms(engine, batch, per_example_lm_loss)
     summed, losses, stats = engine.clipped_sum(batch, per_example_lm_loss)
 
     assert_close_norms(squared, ref_squared)
@@ -115,7 +115,7 @@ def test_ghost_and_direct_norms_agree(tie):
     results = {}
     for rule in ("ghost", "direct"):
         engine = FastEngine(model, partition, weight_norms=rule)
-        squared, _ = engine.per_example_squared_norms(batch, per_example_lm_loss)
+        squared, _ = fast_squared_norms(engine, batch, per_example_lm_loss)
         summed, _, _ = engine.clipped_sum(batch, per_example_lm_loss)
         results[rule] = squared, summed
     ref_squared, ref_summed, _ = opacus_reference(model, partition, batch)
@@ -195,7 +195,7 @@ def test_no_gradient_left_on_parameters():
     model = tiny_gpt2(tie=True)
     engine = FastEngine(model, partition_for(model, 0.1))
     engine.clipped_sum(token_batch(3), per_example_lm_loss)
-    engine.per_example_squared_norms(token_batch(3), per_example_lm_loss)
+    fast_squared_norms(engine, token_batch(3), per_example_lm_loss)
     assert all(p.grad is None for p in model.parameters())
     # The hooks are removed after every call: a plain forward records nothing.
     assert all(not m._forward_hooks for m in model.modules())
@@ -238,7 +238,7 @@ def test_module_called_twice_sums_both_calls():
 
     ref_squared, ref_summed, _ = opacus_reference(model, partition, batch, loss_with_token_types)
     engine = FastEngine(model, partition)
-    squared, _ = engine.per_example_squared_norms(batch, loss_with_token_types)
+    squared, _ = fast_squared_norms(engine, batch, loss_with_token_types)
     summed, _, _ = engine.clipped_sum(batch, loss_with_token_types)
     assert_close_norms(squared, ref_squared)
     assert_close_dicts(summed, ref_summed)
@@ -273,7 +273,7 @@ def test_linear_layers_with_bias_and_padding_row(rule):
     # autograd leaves at zero), so the reference here is a loop over examples.
     ref_squared, ref_summed = naive_reference(model, partition, batch, linear_net_loss)
     engine = FastEngine(model, partition, weight_norms=rule)
-    squared, _ = engine.per_example_squared_norms(batch, linear_net_loss)
+    squared, _ = fast_squared_norms(engine, batch, linear_net_loss)
     summed, _, _ = engine.clipped_sum(batch, linear_net_loss)
     assert_close_norms(squared, ref_squared)
     assert_close_dicts(summed, ref_summed)

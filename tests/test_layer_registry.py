@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB
+from conftest import VOCAB, fast_squared_norms
 from opacus.grad_sample.utils import GradSampleHooks, GradSampleHooksFastGradientClipping
 from test_fast_engine import assert_close_dicts, assert_close_norms, naive_reference
 from torch import nn
@@ -117,7 +117,7 @@ def test_a_registered_third_party_rms_norm_matches_the_naive_loop_in_both_engine
     assert GradSampleHooks.GRAD_SAMPLERS[ThirdPartyRMSNorm] is rms_norm_grad_sample  # not Opacus' functorch fallback
     ref_squared, ref_summed = naive_reference(model, partition(model), BATCH, loss_fn)
     fast = FastEngine(model, partition(model))
-    assert_close_norms(fast.per_example_squared_norms(BATCH, loss_fn)[0], ref_squared)
+    assert_close_norms(fast_squared_norms(fast, BATCH, loss_fn)[0], ref_squared)
     assert_close_dicts(fast.clipped_sum(BATCH, loss_fn)[0], ref_summed)
     opacus = build_engine("opacus", model, partition(model))
     try:
@@ -131,7 +131,7 @@ def test_a_custom_rule_for_a_new_layer_matches_the_naive_loop(registry_snapshot)
     register_layer(Gain)(GainRule)
     ref_squared, ref_summed = naive_reference(model, partition(model), BATCH, loss_fn)
     engine = FastEngine(model, partition(model))
-    assert_close_norms(engine.per_example_squared_norms(BATCH, loss_fn)[0], {n: v.double() for n, v in ref_squared.items()})
+    assert_close_norms(fast_squared_norms(engine, BATCH, loss_fn)[0], {n: v.double() for n, v in ref_squared.items()})
     assert_close_dicts(engine.clipped_sum(BATCH, loss_fn)[0], ref_summed)
 
 
@@ -139,7 +139,7 @@ def test_torch_rms_norm_matches_the_naive_loop():
     model = net(nn.RMSNorm(8, eps=1e-6))
     ref_squared, ref_summed = naive_reference(model, partition(model), BATCH, loss_fn)
     engine = FastEngine(model, partition(model))
-    assert_close_norms(engine.per_example_squared_norms(BATCH, loss_fn)[0], ref_squared)
+    assert_close_norms(fast_squared_norms(engine, BATCH, loss_fn)[0], ref_squared)
     assert_close_dicts(engine.clipped_sum(BATCH, loss_fn)[0], ref_summed)
 
 

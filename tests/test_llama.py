@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import VOCAB, token_batch
+from conftest import VOCAB, fast_squared_norms, token_batch
 from helpers_train import compose_config, require_real_data
 from test_fast_engine import PARTITIONS, assert_close_dicts, assert_close_norms, naive_reference, opacus_reference, partition_for
 from test_models import StubTokenizer
@@ -53,7 +53,7 @@ def test_both_engines_match_the_naive_loop(arch, tie, left_pad, partition):
     ref_squared, ref_summed = naive_reference(model, part, batch, per_example_lm_loss)
 
     engine = FastEngine(model, part)
-    squared, _ = engine.per_example_squared_norms(batch, per_example_lm_loss)
+    squared, _ = fast_squared_norms(engine, batch, per_example_lm_loss)
     summed, _, stats = engine.clipped_sum(batch, per_example_lm_loss)
     assert_close_norms(squared, ref_squared)
     assert_close_dicts(summed, ref_summed)

@@ -184,13 +184,6 @@ class FastEngine(PerExampleEngine):
                 squared[tie.name] += 2 * tied_cross_term(head.inputs, head.grads, embedding.inputs, embedding.grads)
         return squared
 
-    def per_example_squared_norms(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """({name: [B] float64 ‖g_i‖² of that parameter}, per-example losses [B]); nothing left in p.grad."""
-        losses, calls = self._forward(batch, loss_fn)
-        with full_precision(losses.device):
-            traces = self._backward(losses, calls)
-            return self._squared_norms(traces, losses.shape[0], losses.device), losses.detach()
-
     def clipped_sum(self, batch, loss_fn):
         losses, calls = self._forward(batch, loss_fn)
         examples = example_rows(batch, losses.shape[0], losses.device)
