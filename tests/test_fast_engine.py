@@ -6,20 +6,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import VOCAB, fast_squared_norms, tiny_gpt2, token_batch
+from reference import (
+    ATOL,
+    LARGE_C,
+    PARTITIONS,
+    RTOL,
+    SMALL_C,
+    assert_close_dicts,
+    assert_close_norms,
+    naive_reference,
+    opacus_reference,
+    partition_for,
+)
 from torch import nn
 
-from dpmuon.models import hidden_matrices, per_example_lm_loss, position_ids_for
-from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition, clip_factors, per_example_block_norms
+from dpmuon.models import per_example_lm_loss, position_ids_for
+from dpmuon.privacy import PrivacyAccountant, Privatizer, build_partition, per_example_block_norms
 from dpmuon.privacy.engines.fast import FastEngine, prefers_ghost
-
-ATOL, RTOL = 1e-6, 1e-4
-# Thresholds that clip (almost) every block of every example, and ones that never bind.
-SMALL_C, LARGE_C = 1e-3, 1e6
-PARTITIONS = {
-    "per_matrix-split-per_tensor": {"clip_mode": "per_matrix", "threshold_rule": "split", "other_blocks": "per_tensor"},
-    "per_matrix-scalar-group": {"clip_mode": "per_matrix", "threshold_rule": "scalar", "other_blocks": "group"},
-    "flat": {"clip_mode": "flat"},
-}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -30,56 +33,6 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def partition_for(model: nn.Module, clip_norm: float, **options):
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    return build_partition(names, clip_norm=clip_norm, matrix_names=hidden_matrices(model), **options)
-
-
-def opacus_reference(model, partition, batch, loss_fn=per_example_lm_loss):
-    """(per-parameter squared norms, clipped sums, stats) from materialized per-example gradients."""
-    engine = build_engine("opacus", model, partition)
-    try:
-        grads, _ = engine.per_example_gradients(batch, loss_fn)
-        squared = {n: g.flatten(1).pow(2).sum(1) for n, g in grads.items()}
-        summed, _, stats = engine.clipped_sum(batch, loss_fn)
-    finally:
-        engine.close()
-    return squared, summed, stats
-
-
-def naive_reference(model, partition, batch, loss_fn):
-    """(per-parameter squared norms, clipped sums) from one autograd pass per example."""
-    names = partition.param_names
-    params = dict(model.named_parameters())
-    per_example = []
-    for i in range(batch["input_ids"].shape[0]):
-        single = {k: v[i : i + 1] for k, v in batch.items()}
-        grads = torch.autograd.grad(loss_fn(model, single).sum(), [params[n] for n in names])
-        per_example.append(dict(zip(names, grads)))
-    squared = {n: torch.stack([g[n].pow(2).sum() for g in per_example]) for n in names}
-    factors = clip_factors(per_example_block_norms(partition, squared), partition.thresholds)
-    block_of = partition.block_index()
-    summed = {n: sum(f[block_of[n]] * g[n] for f, g in zip(factors, per_example)) for n in names}
-    return squared, summed
-
-
-def assert_close_dicts(got: dict, expected: dict, atol: float = ATOL, rtol: float = RTOL, dtype: torch.dtype = torch.float32):
-    """allclose per tensor, with atol also scaled down to the tensor's size: heavily clipped
-    sums are ~1e-5 per entry, where a bare atol of 1e-6 would hide 10% errors."""
-    assert set(got) == set(expected)
-    for name in expected:
-        assert got[name].dtype == dtype, name
-        assert got[name].shape == expected[name].shape, name
-        scale = float(expected[name].abs().max()) if expected[name].numel() else 0.0
-        tolerance = min(atol, 1e-5 * scale) if scale > 0 else atol
-        assert torch.allclose(got[name], expected[name].to(dtype), atol=tolerance, rtol=rtol), name
-
-
-def assert_close_norms(got: dict, expected: dict):
-    """The fast engine's float64 squared norms against a reference's."""
-    assert_close_dicts(got, expected, atol=1e-10, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("clip_norm", [SMALL_C, LARGE_C], ids=["clipping", "no-clipping"])

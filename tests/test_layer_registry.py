@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import VOCAB, fast_squared_norms
 from opacus.grad_sample.utils import GradSampleHooks, GradSampleHooksFastGradientClipping
-from test_fast_engine import assert_close_dicts, assert_close_norms, naive_reference
+from reference import assert_close_dicts, assert_close_norms, naive_reference
 from torch import nn
 
 from dpmuon.privacy import build_engine, build_partition

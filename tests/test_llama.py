@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import VOCAB, fast_squared_norms, token_batch
 from helpers_train import compose_config, require_real_data
-from test_fast_engine import PARTITIONS, assert_close_dicts, assert_close_norms, naive_reference, opacus_reference, partition_for
+from reference import PARTITIONS, assert_close_dicts, assert_close_norms, naive_reference, opacus_reference, partition_for
 from test_models import StubTokenizer
 
 from dpmuon.models import Shape, build_model, build_random_lm, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss

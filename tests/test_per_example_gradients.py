@@ -5,23 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_gpt2, token_batch
+from reference import naive_per_example_gradients
 
 from dpmuon.models import per_example_lm_loss
 from dpmuon.privacy import build_engine, build_partition
-
-
-def naive_per_example_gradients(model, batch):
-    """One example at a time through plain autograd."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    out = {n: [] for n in names}
-    for i in range(batch["input_ids"].shape[0]):
-        model.zero_grad(set_to_none=True)
-        single = {k: v[i : i + 1] for k, v in batch.items()}
-        per_example_lm_loss(model, single).sum().backward()
-        for n, p in model.named_parameters():
-            out[n].append(p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-    model.zero_grad(set_to_none=True)
-    return {n: torch.stack(v) for n, v in out.items()}
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "untied-head"])

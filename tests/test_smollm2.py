@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_train import compose_config, require_real_data
-from test_fast_engine import assert_close_dicts, naive_reference
+from reference import assert_close_dicts, naive_reference
 
 from dpmuon.data import load_tokenizer
 from dpmuon.data.encoding import encode_training_example
