@@ -1,5 +1,6 @@
 """The committed results are what the committed run files say: regenerating each table from
-results/<dataset>/runs must reproduce the committed table files byte for byte."""
+results/<dataset>/runs (and the regime map's from results/bc_regime) must reproduce the
+committed table files byte for byte."""
 
 from pathlib import Path
 
@@ -21,3 +22,15 @@ def test_committed_tables_regenerate_exactly_from_committed_runs(dataset_dir: Pa
         committed = dataset_dir / name
         assert committed.exists(), f"{committed} is missing"
         assert (regenerated / name).read_text() == committed.read_text(), f"{committed} differs from a fresh make_tables.py run"
+
+
+BC_REGIME = RESULTS / "bc_regime"
+
+
+@pytest.mark.skipif(not (BC_REGIME / "regime.md").exists(), reason="no committed results/bc_regime/ tables")
+def test_committed_regime_tables_regenerate_exactly_from_committed_runs(tmp_path: Path):
+    from dpmuon.experiments.bc_regime_report import write_report
+
+    write_report(BC_REGIME, tmp_path)
+    for name in ("regime.md", "regime.csv"):
+        assert (tmp_path / name).read_text() == (BC_REGIME / name).read_text(), f"{BC_REGIME / name} differs from a fresh report"

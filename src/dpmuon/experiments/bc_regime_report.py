@@ -362,9 +362,12 @@ def gain_figure(runs: list[RegimeRun], path: Path, bins_per_decade: int = 2) -> 
     _save(fig, path)
 
 
-def write_report(root: Path) -> list[Path]:
+def write_report(root: Path, out: Path | None = None) -> list[Path]:
+    """The tables and figures of the runs under `root`, written to `out` (default: `root`)."""
     runs = load_runs(root)
-    written = [root / "regime.md", root / "regime.csv", root / "delta_vs_snr.png", root / "gain_vs_snr.png"]
+    out = out or root
+    written = [out / "regime.md", out / "regime.csv", out / "delta_vs_snr.png", out / "gain_vs_snr.png"]
+    out.mkdir(parents=True, exist_ok=True)
     written[0].write_text(regime_markdown(runs) + pretrained_markdown(load_pretrained(root), runs))
     written[1].write_text(regime_csv(runs))
     delta_figure(runs, written[2])
