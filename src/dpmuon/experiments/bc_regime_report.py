@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 from omegaconf import OmegaConf
 
 from ..paths import REPO_ROOT
@@ -301,6 +302,15 @@ def pretrained_markdown(pretrained: list[PretrainedRun], runs: list[RegimeRun]) 
     return "\n".join(lines) + "\n"
 
 
+def _decade_axis(ax, values: list[float]) -> None:
+    """A log x axis over whole decades (labelled at each power of ten only)."""
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    positive = [v for v in values if v > 0]
+    if positive:
+        ax.set_xlim(10.0 ** math.floor(math.log10(min(positive))), 10.0 ** math.ceil(math.log10(max(positive))))
+
+
 def _save(fig: Figure, path: Path) -> None:
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=120, metadata=_PNG_METADATA)
@@ -326,10 +336,10 @@ def delta_figure(runs: list[RegimeRun], path: Path) -> None:
         if points:
             ax.scatter(*zip(*points), label=f"ε = 8, {name}", marker="x", s=28)
     ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_xscale("log")
+    _decade_axis(ax, [x for c in ax.collections for x, _ in c.get_offsets()])
     ax.set_xlabel("median true SNR of DP-Muon's buffers")
     ax.set_ylabel("test NLL: DP-MuonBC − DP-Muon (paired)")
-    ax.set_title("Does the bias correction pay off? (below 0: it helps)")
+    ax.set_title("Does the bias correction pay off? (below 0: it helps)", fontsize=10)
     if ax.collections:
         ax.legend(fontsize=8)
     _save(fig, path)
@@ -355,10 +365,10 @@ def gain_figure(runs: list[RegimeRun], path: Path, bins_per_decade: int = 2) -> 
         ax.fill_between(centers, low, high, color="#d62728", alpha=0.2, label="interquartile range")
         ax.legend(fontsize=8)
     ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_xscale("log")
+    _decade_axis(ax, [s for s, _ in pairs])
     ax.set_xlabel("true SNR ‖M₀‖²/(s²mn) (per matrix and step)")
     ax.set_ylabel("cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩")
-    ax.set_title("Alignment gain of the correction against the true SNR (DP-Muon runs)")
+    ax.set_title("Alignment gain of the correction vs true SNR (DP-Muon map runs)", fontsize=10)
     _save(fig, path)
 
 
