@@ -49,3 +49,15 @@ def test_guard_checks_a_foreign_ledger_exactly():
         ledger.step(0.5 * plan.noise_multiplier, plan.sample_rate)  # spent elsewhere, with less noise
     assert ledger.epsilon() > plan.target_epsilon
     assert not within_budget(ledger, plan)
+
+
+def test_prv_beyond_its_largest_epsilon_is_refused_with_the_fix_instead_of_running_out_of_memory():
+    from dpmuon.errors import UserError
+    from dpmuon.training.plan import PRV_MAX_EPSILON
+
+    kwargs = dict(private=True, dataset_size=42061, expected_lot_size=256, epochs=None, steps=100, delta=8e-6, noise_multiplier=None)
+    with pytest.raises(UserError, match="privacy.accountant=rdp"):
+        make_plan(target_epsilon=1024.0, accountant="prv", **kwargs)
+    plan = make_plan(target_epsilon=1024.0, accountant="rdp", **kwargs)
+    assert plan.planned_epsilon <= 1024.0 and plan.noise_multiplier > 0
+    assert PRV_MAX_EPSILON >= 128  # the map's ε = 128 runs used PRV

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..training.plan import PRV_MAX_EPSILON
 from .jobs import REPO, Job, publish, run_job
 
 EPSILONS = (8, 32, 128, 1024)
@@ -64,9 +65,11 @@ def committed_rate(optimizer: str, study_runs: Path = STUDY_RUNS) -> float:
 
 
 def run_overrides(optimizer: str, lr: float, epsilon: float, seed: int) -> tuple[str, ...]:
+    # PRV cannot calibrate ε = 1024 in memory (training/plan.py: PRV_MAX_EPSILON): RDP there.
+    accountant = ("privacy.accountant=rdp",) if epsilon > PRV_MAX_EPSILON else ()
     return (
         "experiment=cpu_e2e", f"optimizer={optimizer}", f"optimizer.lr={lr:g}", f"optimizer.adam.lr={lr:g}",
-        f"privacy.target_epsilon={epsilon:g}", f"seed={seed}", "logging.oracle_alignment=true",
+        f"privacy.target_epsilon={epsilon:g}", *accountant, f"seed={seed}", "logging.oracle_alignment=true",
     )
 
 

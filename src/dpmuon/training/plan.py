@@ -13,6 +13,10 @@ from dataclasses import asdict, dataclass
 from ..errors import UserError
 from ..privacy import PrivacyAccountant, calibrate_noise_multiplier, epsilon_after, plan_steps
 
+# The largest target ε the PRV accountant is used for: it calibrated ε = 128 (lot 256, 100 steps
+# on E2E) without trouble, and was killed for memory at ε = 1024. RDP has no such limit.
+PRV_MAX_EPSILON = 128.0
+
 
 @dataclass(frozen=True)
 class PrivacyPlan:
@@ -69,6 +73,12 @@ def make_plan(
         raise UserError(
             f"privacy.delta={delta:g} must be in (0, 1/N) = (0, {1 / dataset_size:.3g}) for N={dataset_size}: "
             "a δ of 1/N or more allows releasing an example outright"
+        )
+    if accountant == "prv" and target_epsilon > PRV_MAX_EPSILON:
+        raise UserError(
+            f"privacy.target_epsilon={target_epsilon:g} is beyond what the PRV accountant can calibrate here "
+            f"(its privacy-loss grid grows with ε: at ε = 1024 Opacus' PRV ran out of 24 GB); use "
+            f"privacy.accountant=rdp above ε = {PRV_MAX_EPSILON:g}"
         )
     if noise_multiplier is None:
         sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant)
