@@ -95,9 +95,10 @@ def weighted_outer_sum(
     added into `out` when given (and returned).
 
     The book-keeping product: one GEMM per chunk of examples over their (example, position)
-    rows, with the per-example scale applied to the narrower operand. Rows outside `active`
-    (zero b_t) are left out when that saves a tenth of the product or more: at the LM head the
-    unlabelled prompt is about half the rows, which the non-private backward multiplies anyway.
+    rows, with the per-example scale applied to the narrower operand. On CPU, rows outside
+    `active` (zero b_t) are left out when that saves a tenth of the product or more: at the LM
+    head the unlabelled prompt is about half the rows, which the non-private backward multiplies
+    anyway. (Not on GPU, where choosing the rows would synchronize the device at every layer.)
     The first chunk writes a fresh result rather than adding into zeros: filling a
     vocabulary-sized matrix first costs about as much as the product's memory traffic.
     """
@@ -106,7 +107,7 @@ def weighted_outer_sum(
     for rows in example_chunks(batch, positions * (d_in + d_out)):
         ac, bc = a[rows].reshape(-1, d_in), b[rows].reshape(-1, d_out)
         weights = scale[rows].repeat_interleave(positions)
-        if active is not None:
+        if active is not None and a.device.type == "cpu":  # on GPU the selection would sync per layer
             keep = active[rows].reshape(-1)
             if int(keep.sum()) < 0.9 * keep.numel():
                 ac, bc, weights = ac[keep], bc[keep], weights[keep]
