@@ -270,9 +270,10 @@ def extrapolate_snr(snr_by_lot: dict[int, float], lot: int = PAPER_LOT) -> tuple
 
 
 def pretrained_markdown(pretrained: list[PretrainedRun], runs: list[RegimeRun]) -> str:
+    step = min((len(r.true_snr) for r in pretrained), default=0)  # the last step every run reached
     lines = [
         "",
-        "## The pretrained regime: DP-Muon at the paper's σ, step {step} (median over matrices)",
+        f"## The pretrained regime: DP-Muon at the paper's σ, step {step or '–'} (median over matrices)",
         "",
         f"Extrapolated to lot {PAPER_LOT}: (1) the noise-free signal's energy held at the largest lot's; "
         "(2) the two lots' fit of the energy as mean + variance / lot (see `extrapolate_snr`).",
@@ -280,8 +281,6 @@ def pretrained_markdown(pretrained: list[PretrainedRun], runs: list[RegimeRun]) 
         "| model | lot | true SNR | estimated SNR | alignment gain | true SNR at lot 1024 (1) | (2) |",
         "|---|---|---|---|---|---|---|",
     ]
-    step = min((len(r.true_snr) for r in pretrained), default=0)
-    lines[1] = lines[1].replace("{step}", str(step) if step else "–")
     for model in sorted({r.model for r in pretrained}):
         mine = sorted((r for r in pretrained if r.model == model), key=lambda r: r.lot)
         at_step = {r.lot: r.true_snr[step - 1] for r in mine if step}
