@@ -94,6 +94,19 @@ class Layer(ABC):
             sums[name] = sums[name].add_(values) if name in sums else values
 
 
+class InPlaceLayer(Layer):
+    """A rule that adds its sums into existing ones (`add_clipped_sums`, abstract here);
+    `clipped_sums` is then that into an empty dict."""
+
+    @abstractmethod
+    def add_clipped_sums(self, trace: Trace, scale_of: ScaleOf, sums: dict[str, torch.Tensor]) -> None: ...
+
+    def clipped_sums(self, trace, scale_of):
+        sums: dict[str, torch.Tensor] = {}
+        self.add_clipped_sums(trace, scale_of, sums)
+        return sums
+
+
 LAYER_RULES: dict[type[nn.Module], type[Layer]] = {}
 
 
@@ -121,7 +134,7 @@ def _flatten_calls(tensors: list[torch.Tensor], batch: int, features: int | None
 
 
 @register_layer(nn.Linear, Conv1D)
-class AffineLayer(Layer):
+class AffineLayer(InPlaceLayer):
     """nn.Linear (weight stored (out, in)) or HF Conv1D (weight stored (in, out)): y = a·W + b, b optional."""
 
     def __init__(self, module, names, weight_norms="mixed", tied=False):
@@ -148,11 +161,6 @@ class AffineLayer(Layer):
             out[self.names["bias"]] = b.float().sum(1).square().sum(1)
         return out
 
-    def clipped_sums(self, trace, scale_of):
-        sums: dict[str, torch.Tensor] = {}
-        self.add_clipped_sums(trace, scale_of, sums)
-        return sums
-
     def add_clipped_sums(self, trace, scale_of, sums):
         a, b = trace.inputs, trace.grads
         if "weight" in self.names:
@@ -166,7 +174,7 @@ class AffineLayer(Layer):
 
 
 @register_layer(nn.Embedding)
-class EmbeddingLayer(Layer):
+class EmbeddingLayer(InPlaceLayer):
     """nn.Embedding: example i's gradient scatters its output gradients into the rows it looked up."""
 
     def __init__(self, module, names, weight_norms="mixed", tied=False):
@@ -200,11 +208,6 @@ class EmbeddingLayer(Layer):
         rows.index_add_(0, which, b.reshape(-1, dim).double())
         squared = torch.zeros(batch, dtype=torch.float64, device=b.device)
         return {self.names["weight"]: squared.index_add_(0, pairs // vocab, rows.square().sum(1))}
-
-    def clipped_sums(self, trace, scale_of):
-        sums: dict[str, torch.Tensor] = {}
-        self.add_clipped_sums(trace, scale_of, sums)
-        return sums
 
     def add_clipped_sums(self, trace, scale_of, sums):
         ids, b = trace.inputs, trace.grads
