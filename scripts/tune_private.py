@@ -1,9 +1,9 @@
 """Tune hyperparameters on private data by random stopping (Papernot & Steinke, ICLR 2022).
 
     python scripts/tune_private.py --out outputs/tune_e2e --mean-trials 5 --lr-grid 3e-3,1e-2,3e-2 \\
-        experiment=cpu_e2e optimizer=dp_adam
+        experiment=pretrained_tiny_e2e optimizer=dp_adam
     python scripts/tune_private.py --out outputs/tune_e2e --mean-trials 10 --eta 0 \\
-        --lr-range 1e-4:1e-1 --lr-key optimizer.lr --lr-key optimizer.adam.lr experiment=cpu_e2e optimizer=dp_muon
+        --lr-range 1e-4:1e-1 --lr-key optimizer.lr --lr-key optimizer.adam.lr experiment=pretrained_tiny_e2e optimizer=dp_muon
 
 Draws K from a truncated negative binomial with mean --mean-trials (shape --eta: 1 geometric,
 0 logarithmic) using OS entropy, then runs K trainings (`python -m dpmuon.train OVERRIDES ...
@@ -100,7 +100,7 @@ class Trial:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides passed to every trial (e.g. experiment=cpu_e2e optimizer=dp_adam)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides passed to every trial (e.g. experiment=pretrained_tiny_e2e optimizer=dp_adam)")
     parser.add_argument("--out", type=Path, required=True, help="new folder for the trials and tuning_summary.json")
     trials = parser.add_mutually_exclusive_group(required=True)
     trials.add_argument("--mean-trials", type=float, help="E[K] of the random number of trials (> 1)")

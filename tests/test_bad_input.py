@@ -121,7 +121,7 @@ def test_a_bad_value_stops_the_run_before_any_data_is_read(tmp_path):
 
 
 def test_the_default_config_and_every_experiment_validate():
-    for experiment in ("smoke", "e2e", "dart", "cpu_e2e"):
+    for experiment in ("smoke", "e2e", "dart", "pretrained_tiny_e2e", "cpu_e2e"):
         validate(compose_config(f"experiment={experiment}"))
 
 

@@ -15,25 +15,20 @@ from dpmuon.experiments.jobs import Job, run_job
 RATES = {"dp_muon": 0.01, "dp_muonbc": 0.003}
 
 
-def _seed_of(job):
-    (override,) = job.secret_overrides
-    return int(override.split("=", 1)[1])
-
-
 def test_runs_of_one_seed_index_share_a_secret_mechanism_seed_that_differs_across_indices(tmp_path):
     seeds = bc_regime.MechanismSeeds(tmp_path / "mechanism_seeds.json")
     jobs = bc_regime.jobs(RATES, seeds)
     by_index = {}
     for job in jobs:
         index = next(o for o in job.overrides if o.startswith("seed=")).split("=")[1]
-        by_index.setdefault(index, set()).add(_seed_of(job))
+        by_index.setdefault(index, set()).add(job.mechanism_seed)
     assert set(by_index) == {"0", "1", "2"}
     assert all(len(s) == 1 for s in by_index.values())  # DP-Muon and DP-MuonBC (and ablations) paired
     assert len({s for v in by_index.values() for s in v}) == 3
     assert not any("mechanism_seed" in o for job in jobs for o in job.overrides)  # printed overrides hold no secret
     assert stat.S_IMODE(os.stat(tmp_path / "mechanism_seeds.json").st_mode) == 0o600
     again = bc_regime.jobs(RATES, bc_regime.MechanismSeeds(tmp_path / "mechanism_seeds.json"))
-    assert [j.secret_overrides for j in again] == [j.secret_overrides for j in jobs]  # resumed sweeps pair up
+    assert [j.mechanism_seed for j in again] == [j.mechanism_seed for j in jobs]  # resumed sweeps pair up
 
 
 def test_the_map_covers_every_epsilon_optimizer_and_seed_at_the_committed_rates():
@@ -47,8 +42,8 @@ def test_the_map_covers_every_epsilon_optimizer_and_seed_at_the_committed_rates(
         "optimizer.lr=0.003", "optimizer.lr=0.03", "optimizer.lr=0.0009", "optimizer.lr=0.009"
     }
     assert len([j for j in jobs if j.stage == "ablations"]) == len(bc_regime.ABLATIONS) * len(bc_regime.SEEDS)
-    # seed-major: all of seed 0's map runs come before any of seed 1's
-    order = [j.name for j in jobs if j.stage == "runs"]
+    # seed-major: everything of seed 0 (map, checks, ablations) comes before anything of seed 1
+    order = [j.name for j in jobs]
     assert max(i for i, n in enumerate(order) if n.endswith("seed0")) < min(i for i, n in enumerate(order) if n.endswith("seed1"))
 
 
@@ -129,3 +124,25 @@ def test_snr_extrapolation_recovers_mean_and_variance_from_two_lots():
     assert constant == pytest.approx(snr[16] * 64**2) and constant > fitted  # (1) is the upper bound
     assert extrapolate_snr({16: snr[16]}) == (constant, None)
     assert extrapolate_snr({8: 1.0, 16: 1.0})[1] is None  # energy falling faster than 1/B: not resolved
+
+
+def test_a_jobs_mechanism_seed_reaches_the_run_through_its_environment_not_its_command_line(tmp_path, monkeypatch):
+    from helpers_train import compose_config
+
+    from dpmuon.config.schema import validate
+
+    seen = {}
+
+    def capture(cmd, env, **kwargs):
+        seen.update(cmd=cmd, env=env)
+        return type("Done", (), {"returncode": 1})()
+
+    monkeypatch.setattr(jobs_module.subprocess, "run", capture)
+    with pytest.raises(SystemExit):
+        run_job(Job("a", "runs", ("seed=0",), mechanism_seed=918273645), tmp_path / "work", tmp_path / "results", threads=1)
+    assert not any("918273645" in arg for arg in seen["cmd"])  # argv is readable by every user (ps)
+    assert seen["env"][jobs_module.MECHANISM_SEED_ENV] == "918273645"
+    monkeypatch.setenv(jobs_module.MECHANISM_SEED_ENV, "918273645")
+    cfg = compose_config(*[arg for arg in seen["cmd"] if arg.startswith("privacy.")])
+    validate(cfg)  # the interpolation resolves to an integer seed
+    assert cfg.privacy.mechanism_seed == 918273645

@@ -67,6 +67,17 @@ def test_experiments_set_the_paper_protocol():
     assert compose_config("experiment=e2e", "optimizer=dp_muonbc").optimizer.name == "dp_muonbc"
 
 
+@pytest.mark.parametrize(
+    "former, name",
+    [("cpu_e2e", "pretrained_tiny_e2e"), ("cpu_dart", "pretrained_tiny_dart"), ("e2e_cpu", "scratch_tiny_e2e"), ("dart_cpu", "scratch_tiny_dart")],
+)
+def test_a_former_experiment_name_composes_its_renamed_config(former, name):
+    """Committed runs record the former names: their commands must still run the same config."""
+    old, new = (OmegaConf.to_container(compose_config(f"experiment={e}"), resolve=True) for e in (former, name))
+    assert (old.pop("experiment_name"), new.pop("experiment_name")) == (former, name)
+    assert old == new
+
+
 @pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
 def test_each_optimizer_config_builds_its_optimizer(optimizer):
     cfg = compose_config(f"optimizer={optimizer}")

@@ -57,9 +57,11 @@ def train_steps(parallel: DataParallel) -> dict:
 def _worker(rank: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    result = train_steps(DataParallel(rank, 2))
+    parallel = DataParallel(rank, 2)
+    result = train_steps(parallel)
+    parallel.leave()  # as the driver does after training
+    result["left"] = not dist.is_initialized()
     torch.save(result, f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 def test_two_gloo_processes_release_what_one_process_releases(tmp_path):
@@ -67,6 +69,7 @@ def test_two_gloo_processes_release_what_one_process_releases(tmp_path):
     single = train_steps(DataParallel(0, 1))
     mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(2)]
+    assert all(result["left"] for result in ranks)
     for result in ranks:  # both ranks hold the single-process release and parameters
         assert result["lot_sizes"] == single["lot_sizes"] == [len(lot) for lot in LOTS]
         assert result["steps"] == single["steps"] == len(LOTS)

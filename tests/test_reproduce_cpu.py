@@ -40,7 +40,7 @@ def test_an_optimizer_without_a_usable_trial_is_an_error():
 def test_finals_cover_every_optimizer_and_seed_plus_the_non_private_reference():
     jobs = reproduce.final_jobs("dart", dict.fromkeys(reproduce.DP_OPTIMIZERS, 1e-3), seeds=[0, 1, 2])
     assert len(jobs) == 3 * (len(reproduce.DP_OPTIMIZERS) + 1)
-    assert all("experiment=cpu_dart" in j.overrides for j in jobs)
+    assert all("experiment=pretrained_tiny_dart" in j.overrides for j in jobs)
     assert {j.name for j in jobs if "optimizer=adam" in j.overrides} == {"adam_seed0", "adam_seed1", "adam_seed2"}
     # seed-major: the first five jobs are one complete seed of every optimizer
     assert [j.name for j in jobs[:5]] == [f"{opt}_seed0" for opt in (*reproduce.DP_OPTIMIZERS, "adam")]

@@ -173,7 +173,7 @@ def tune(out: Path, trainer: str, *args: str) -> int:
 
 def test_random_stopping_end_to_end(tmp_path: Path, fake_trainer: str, capsys):
     out = tmp_path / "tune"
-    assert tune(out, fake_trainer, "--mean-trials", "3", "--eta", "1", "experiment=cpu_e2e", "optimizer=dp_adam") == 0
+    assert tune(out, fake_trainer, "--mean-trials", "3", "--eta", "1", "experiment=pretrained_tiny_e2e", "optimizer=dp_adam") == 0
     summary = json.loads((out / "tuning_summary.json").read_text())
     secret = summary["secret"]
     candidates = secret["candidates"]
@@ -186,7 +186,7 @@ def test_random_stopping_end_to_end(tmp_path: Path, fake_trainer: str, capsys):
     for candidate in candidates:
         argv = json.loads((Path(candidate["run_dir"]) / "summary.json").read_text())["argv"]
         assert candidate["hyperparameters"]["optimizer.lr"] in ("0.001", "0.01", "0.1")
-        assert {"experiment=cpu_e2e", "optimizer=dp_adam", "eval.test=false", f"seed={candidate['seed']}"} <= set(argv)
+        assert {"experiment=pretrained_tiny_e2e", "optimizer=dp_adam", "eval.test=false", f"seed={candidate['seed']}"} <= set(argv)
     assert len({c["seed"] for c in candidates}) == len(candidates) or len(candidates) > 20  # fresh seeds
 
     expected = tuning_bound([[(FAKE_SIGMA, FAKE_Q, FAKE_STEPS)]], FAKE_DELTA, TruncatedNegativeBinomial.with_mean(3, 1))

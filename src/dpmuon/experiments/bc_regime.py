@@ -3,7 +3,7 @@
     python -m dpmuon.experiments.bc_regime run [--jobs 2]   # every run (resumable; skips what is done)
     python -m dpmuon.experiments.bc_regime list             # the runs, in the order they are run
 
-The committed CPU study's setting (experiment=cpu_e2e: the publicly pretrained tiny model, lot
+The committed CPU study's setting (experiment=pretrained_tiny_e2e: the publicly pretrained tiny model, lot
 256, 100 steps, per-matrix C = 0.1) with oracle alignment diagnostics on, at the learning rate
 each optimizer's committed finals use:
 
@@ -53,7 +53,7 @@ PAPER_SIGMA = 0.68329
 PRETRAINED_LOTS = (8, 16)
 PRETRAINED_MODELS = {
     "smollm2": ("dataset=e2e", "model=smollm2_135m", "model.name_or_path=models/smollm2"),
-    "tiny": ("experiment=cpu_e2e",),
+    "tiny": ("experiment=pretrained_tiny_e2e",),
 }
 STUDY_RUNS = REPO / "results" / "e2e" / "runs"  # the committed study, whose rates are reused
 
@@ -68,30 +68,29 @@ def run_overrides(optimizer: str, lr: float, epsilon: float, seed: int) -> tuple
     # PRV cannot calibrate ε = 1024 in memory (training/plan.py: PRV_MAX_EPSILON): RDP there.
     accountant = ("privacy.accountant=rdp",) if epsilon > PRV_MAX_EPSILON else ()
     return (
-        "experiment=cpu_e2e", f"optimizer={optimizer}", f"optimizer.lr={lr:g}", f"optimizer.adam.lr={lr:g}",
+        "experiment=pretrained_tiny_e2e", f"optimizer={optimizer}", f"optimizer.lr={lr:g}", f"optimizer.adam.lr={lr:g}",
         f"privacy.target_epsilon={epsilon:g}", *accountant, f"seed={seed}", "logging.oracle_alignment=true",
     )
 
 
 def jobs(rates: dict[str, float], mechanism_seed) -> list[Job]:
-    """Seed-major, the map before the checks: a sweep cut short still has paired, complete seeds.
+    """Seed-major (seed 0's map, the learning-rate check, seed 0's ablations, then seed 1's ...):
+    a sweep cut short still holds complete, paired seed indices.
 
     mechanism_seed: seed index → its secret mechanism seed (one per pair).
     """
     out = []
     for seed in SEEDS:
-        secret = (f"privacy.mechanism_seed={mechanism_seed(seed)}",)
+        secret = mechanism_seed(seed)
         for epsilon in EPSILONS:
             for opt in OPTIMIZERS:
                 out.append(Job(f"{opt}_eps{epsilon}_seed{seed}", "runs", run_overrides(opt, rates[opt], epsilon, seed), secret))
-    secret0 = (f"privacy.mechanism_seed={mechanism_seed(0)}",)
-    top = max(EPSILONS)
-    for factor in LR_CHECK:
-        for opt in OPTIMIZERS:
-            lr = rates[opt] * factor
-            out.append(Job(f"{opt}_eps{top}_lr{lr:g}_seed0", "lr_check", run_overrides(opt, lr, top, 0), secret0))
-    for seed in SEEDS:
-        secret = (f"privacy.mechanism_seed={mechanism_seed(seed)}",)
+        if seed == 0:
+            top = max(EPSILONS)
+            for factor in LR_CHECK:
+                for opt in OPTIMIZERS:
+                    lr = rates[opt] * factor
+                    out.append(Job(f"{opt}_eps{top}_lr{lr:g}_seed0", "lr_check", run_overrides(opt, lr, top, 0), secret))
         for name, extra in ABLATIONS.items():
             out.append(Job(f"dp_muonbc_{name}_eps8_seed{seed}", "ablations", run_overrides("dp_muonbc", rates["dp_muonbc"], 8, seed) + extra, secret))
     return out

@@ -23,7 +23,12 @@ class Job:
     name: str
     stage: str  # the folder it is published in: "tuning", "runs", ...
     overrides: tuple[str, ...]
-    secret_overrides: tuple[str, ...] = ()  # passed to the run, never printed (a mechanism seed)
+    mechanism_seed: int | None = None  # secret: reaches the run through its environment, never argv
+
+
+# Argv is world-readable (`ps`, /proc/<pid>/cmdline); a process's environment only to its owner.
+MECHANISM_SEED_ENV = "DPMUON_MECHANISM_SEED"
+SEED_FROM_ENV = f"privacy.mechanism_seed='${{oc.decode:${{oc.env:{MECHANISM_SEED_ENV}}}}}'"
 
 
 def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
@@ -47,16 +52,20 @@ def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
         print(f"  {job.stage}/{job.name}: held by another runner, skipped", flush=True)
         return published
     try:
-        if (run_dir / ".hydra" / "config.yaml").exists():
+        env = dict(os.environ)
+        if (run_dir / ".hydra" / "config.yaml").exists():  # the mechanism resumes from its saved state
             cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume"]
         else:
             cmd = [
-                sys.executable, "-m", "dpmuon.train", *job.overrides, *job.secret_overrides,
+                sys.executable, "-m", "dpmuon.train", *job.overrides,
                 f"hydra.run.dir={run_dir}", f"trainer.num_threads={threads}", "logging.progress=false",
             ]
+            if job.mechanism_seed is not None:
+                cmd.append(SEED_FROM_ENV)
+                env[MECHANISM_SEED_ENV] = str(job.mechanism_seed)
         start = time.time()
         with open(work / job.stage / f"{job.name}.log", "a") as log:
-            done = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            done = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             raise SystemExit(f"{job.name} failed (exit {done.returncode}); see {work / job.stage / (job.name + '.log')}")
         print(f"  {job.stage}/{job.name}: {time.time() - start:.0f} s", flush=True)

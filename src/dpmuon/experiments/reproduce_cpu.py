@@ -55,7 +55,10 @@ def lr_overrides(optimizer: str, lr: float) -> list[str]:
 
 def tuning_jobs(dataset: str, steps: int) -> list[Job]:
     return [
-        Job(f"{opt}_lr{lr:g}", "tuning", (f"experiment=cpu_{dataset}", *lr_overrides(opt, lr), f"trainer.steps={steps}", "eval.test=false", "seed=0"))
+        Job(
+            f"{opt}_lr{lr:g}", "tuning",
+            (f"experiment=pretrained_tiny_{dataset}", *lr_overrides(opt, lr), f"trainer.steps={steps}", "eval.test=false", "seed=0"),
+        )  # fmt: skip
         for opt in DP_OPTIMIZERS
         for lr in LR_GRID[opt]
     ]
@@ -86,7 +89,7 @@ def final_jobs(dataset: str, rates: dict[str, float], seeds: list[int]) -> list[
     """Seed-major order: whenever the runs are cut short, the finished seeds compare every optimizer."""
     settings = [(opt, rates[opt]) for opt in DP_OPTIMIZERS] + [NON_PRIVATE]
     return [
-        Job(f"{opt}_seed{seed}", "runs", (f"experiment=cpu_{dataset}", *lr_overrides(opt, lr), f"seed={seed}"))
+        Job(f"{opt}_seed{seed}", "runs", (f"experiment=pretrained_tiny_{dataset}", *lr_overrides(opt, lr), f"seed={seed}"))
         for seed in seeds
         for opt, lr in settings
     ]

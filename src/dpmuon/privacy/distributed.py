@@ -41,6 +41,12 @@ class DataParallel:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
+    def leave(self) -> None:
+        """Destroy the process group: a gloo rank that exits with it alive can abort at interpreter
+        shutdown (its worker threads outlive Python), failing a run that had finished."""
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
     def broadcast_object(self, obj):
         box = [obj]
         dist.broadcast_object_list(box, src=0)

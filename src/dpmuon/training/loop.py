@@ -123,9 +123,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     validate_config(cfg)  # types, ranges and choices: before any data, tokenizer or model is read
     version, command = code_version(), redact(command_line())  # of the code that starts the run
     t = setup(cfg, run_dir)
-    resume(t)
-    stop_reason = train(t)
-    t.release.close()
+    try:
+        resume(t)
+        stop_reason = train(t)
+    finally:
+        t.release.close()
+        t.parallel.leave()  # nothing after training is collective: rank 0 evaluates alone
     if not t.parallel.is_main:  # rank 0 evaluates and writes the artifacts
         return None
     test_nll, scores = evaluate(t)
