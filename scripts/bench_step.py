@@ -35,14 +35,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
+from dpmuon.config import compose_config
 from dpmuon.config.roster import optimizer_roster
-from dpmuon.data import EncodedExample
+from dpmuon.data import EncodedExample, load_tokenizer
 from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
-from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
+from dpmuon.privacy import GaussianNoise
+from dpmuon.privacy.distributed import SINGLE
 from dpmuon.training.batching import lot_micro_batches
+from dpmuon.training.data import prepare_data
+from dpmuon.training.loop import build_release, mechanism_randomness
+from dpmuon.training.plan import PrivacyPlan
 from dpmuon.training.run_files import code_version
 
 VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
@@ -55,16 +61,18 @@ RANDOM_MODELS = {
 # name → local directory of a pretrained model (`make models/smollm2`); its vocabulary is its own.
 LOCAL_MODELS = {"smollm2": REPO_ROOT / "models" / "smollm2"}
 MODELS = sorted(RANDOM_MODELS) + sorted(LOCAL_MODELS)
-# The roster's optimizers (conf/optimizer/*.yaml) with their YAML hyperparameters at one rate;
-# DP-SGD is left out: its optimizer step is a plain SGD update, nothing to compare.
-LR = {"lr": 2e-3, "adam": {"lr": 2e-3}}
+# The roster's optimizers (conf/optimizer/*.yaml); DP-SGD is left out: its optimizer step is a
+# plain SGD update, nothing to compare. Hyperparameters and privacy settings come from the
+# driver's composed config (compose_config; the dataset stays the default, E2E: its rates are
+# the optimizers' rates, and synthetic lots are shaped like its lots), as in a training run.
 TWIN_KIND = {"adam": "adam", "muon": "muon", "muonbc": "muon"}  # a DP kind's non-private counterpart
 ROSTER = [entry for entry in optimizer_roster() if entry.kind in TWIN_KIND]
-OPTIMIZERS = {e.name: (e.kind, LR if "muon" in e.kind else {"lr": LR["lr"]}) for e in ROSTER if e.private}
-NON_PRIVATE = {e.name: (e.kind, LR if "muon" in e.kind else {"lr": LR["lr"]}) for e in ROSTER if not e.private}
-NON_PRIVATE_TWIN = {e.name: next(n for n, (kind, _) in NON_PRIVATE.items() if kind == TWIN_KIND[e.kind]) for e in ROSTER if e.private}
-NOISE_MULTIPLIER = 1.0  # noise is drawn as in a real run; its size does not change the cost
-CLIP_NORM = 0.1
+OPTIMIZERS = [e.name for e in ROSTER if e.private]
+NON_PRIVATE_TWIN = {e.name: next(t.name for t in ROSTER if not t.private and t.kind == TWIN_KIND[e.kind]) for e in ROSTER if e.private}
+# conf/privacy calibrates σ from a target ε; here σ is fixed: noise is drawn as in a real run and
+# its size does not change the cost. q only enters the accountant's history (never queried).
+NOISE_MULTIPLIER = 1.0
+SAMPLE_RATE = 0.01
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,18 @@ class Config:
     def parse(cls, label: str) -> Config:
         return cls(*label.split("/"))
 
+    @property
+    def overrides(self) -> list[str]:
+        """The driver's Hydra overrides for this configuration: conf/optimizer/<optimizer>.yaml and,
+        if private, conf/privacy/<clip_mode>.yaml with the engine, the bench's fixed σ and a fixed
+        mechanism seed (the same noise every run; nothing here is a real release)."""
+        if not self.private:
+            return [f"optimizer={self.optimizer}"]
+        return [
+            f"optimizer={self.optimizer}", f"privacy={self.clip_mode}", f"privacy.engine={self.engine}",
+            f"privacy.noise_multiplier={NOISE_MULTIPLIER}", "privacy.mechanism_seed=0",
+        ]
+
 
 def configurations(engines: list[str], clip_modes: list[str], optimizers: list[str]) -> list[Config]:
     private = [Config(e, c, o) for e in engines for c in clip_modes for o in optimizers]
@@ -99,9 +119,9 @@ def configurations(engines: list[str], clip_modes: list[str], optimizers: list[s
 # -- lots -------------------------------------------------------------------------------------
 
 
-def synthetic_lot(size: int, seq_len: int, seed: int, vocab: int = VOCAB) -> list[dict[str, torch.Tensor]]:
-    """Random sequences shaped like table-to-text lots: lengths in [T/2, T], right padding, a
-    prompt (about half of each sequence) without loss."""
+def synthetic_lot(size: int, seq_len: int, seed: int, vocab: int = VOCAB) -> list[EncodedExample]:
+    """Random sequences shaped like table-to-text lots: lengths in [T/2, T], a prompt (about half
+    of each sequence) without loss."""
     g = torch.Generator().manual_seed(seed)
     examples = []
     for _ in range(size):
@@ -109,25 +129,19 @@ def synthetic_lot(size: int, seq_len: int, seed: int, vocab: int = VOCAB) -> lis
         ids = torch.randint(0, vocab - 1, (length,), generator=g)
         labels = ids.clone()
         labels[: length // 2] = IGNORE_INDEX
-        examples.append((ids.tolist(), labels.tolist()))
+        examples.append(EncodedExample(input_ids=ids.tolist(), labels=labels.tolist()))
     return examples
 
 
-def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[tuple[list[int], list[int]]], int]:
-    from dpmuon.data import encode_for_training, load_examples, load_tokenizer
-
+def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[EncodedExample], int]:
+    """`size` E2E training examples, loaded and encoded as the trainer does (conf/dataset/e2e.yaml)."""
     # The tokenizer follows the model: a local model's own, else GPT-2's ($DPMUON_TOKENIZER).
     tokenizer = load_tokenizer(str(local_model_dir(model_name)) if model_name in LOCAL_MODELS else None)
-    encoded, _ = encode_for_training(load_examples("e2e", "train"), tokenizer, max_length=100)
-    picks = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(seed))[:size]
-    return [(encoded[i].input_ids, encoded[i].labels) for i in picks.tolist()], tokenizer.pad_token_id
-
-
-def micro_batches(examples: list[tuple[list[int], list[int]]], micro_batch: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """The lot as the trainer batches it (training.batching: sorted by length, each micro-batch
-    right-padded to its own longest sequence)."""
-    encoded = [EncodedExample(input_ids=ids, labels=labels) for ids, labels in examples]
-    return list(lot_micro_batches(encoded, range(len(encoded)), micro_batch, pad_id))
+    # prepare_data also encodes validation and test sets, which the bench does not use: one each.
+    cfg = compose_config("data.max_valid_examples=1", "data.max_test_sources=1")
+    train = prepare_data(cfg.dataset, cfg.data, tokenizer, int(cfg.dataset.max_length), log=lambda message: None).train
+    picks = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[:size]
+    return [train[i] for i in picks.tolist()], tokenizer.pad_token_id
 
 
 # -- one configuration ------------------------------------------------------------------------
@@ -160,31 +174,40 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class Runner:
-    """A model, its release (privatizer or non-private) and its optimizer, ready to step."""
+def bench_plan(cfg: DictConfig, lot_size: int) -> PrivacyPlan:
+    """A privacy plan for timing only: σ and q fixed (not calibrated to the target ε), one step."""
+    private = bool(cfg.optimizer.private)
+    return PrivacyPlan(
+        private=private, dataset_size=round(lot_size / SAMPLE_RATE), expected_lot_size=lot_size, sample_rate=SAMPLE_RATE, steps=1,
+        noise_multiplier=float(cfg.privacy.noise_multiplier) if private else 0.0,
+        target_epsilon=float(cfg.privacy.target_epsilon) if private else None,
+        delta=float(cfg.privacy.delta) if private else None,
+        accountant=str(cfg.privacy.accountant) if private else None,
+        planned_epsilon=None,
+    )
 
-    def __init__(self, config: Config, model_name: str, lot_size: int, device: torch.device):
+
+class Runner:
+    """A model, its release (privatizer or non-private) and its optimizer, built as the trainer
+    builds them from a composed config, ready to step."""
+
+    def __init__(self, cfg: DictConfig, model_name: str, lot_size: int, device: torch.device):
         self.device = device
         self.model = build_bench_model(model_name).to(device).train()
         matrices = hidden_matrices(self.model)
-        if config.private:
-            names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-            partition = build_partition(names, clip_mode=config.clip_mode, clip_norm=CLIP_NORM, matrix_names=matrices)
-            self.release = Privatizer(
-                self.model, partition, noise_multiplier=NOISE_MULTIPLIER, expected_lot_size=lot_size,
-                sample_rate=0.01, accountant=PrivacyAccountant(1e-5), engine=config.engine,
-            )
-            kind, cfg = OPTIMIZERS[config.optimizer]
-        else:
-            self.release = NonPrivateRelease(self.model)
-            kind, cfg = NON_PRIVATE[config.optimizer]
+        named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        randomness = mechanism_randomness(cfg, device, SINGLE)
+        noise = GaussianNoise(randomness.noise, secure=randomness.secure)
+        # No ledger: nothing here is a real release. The release is build_release's last value
+        # (the partition etc. before it are the trainer's bookkeeping).
+        *_, self.release = build_release(cfg, self.model, named, matrices, bench_plan(cfg, lot_size), noise, SINGLE, None)
         self.optimizer = build_optimizer(
-            kind,
+            cfg.optimizer.kind,
             OptimizerInputs(
-                params=dict(self.model.named_parameters()), hidden_matrices=matrices,
-                release_noise_std=self.release.release_noise_std(), generator=torch.Generator(device=device).manual_seed(0),
+                params=named, hidden_matrices=matrices, release_noise_std=self.release.release_noise_std(),
+                generator=torch.Generator(device=device).manual_seed(0),
             ),
-            cfg,
+            OmegaConf.to_container(cfg.optimizer, resolve=True),
         )
 
     def step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
@@ -201,7 +224,7 @@ class Runner:
 
 
 def measure_throughput(configs: list[Config], args, batches, device) -> tuple[dict[Config, dict[str, list[float]]], dict[Config, Runner]]:
-    runners = {c: Runner(c, args.model, args.lot, device) for c in configs}
+    runners = {c: Runner(compose_config(*c.overrides), args.model, args.lot, device) for c in configs}
     times = {c: {"release_s": [], "optimizer_s": []} for c in configs}
     for runner in runners.values():
         runner.step(batches)  # warm-up: optimizer state, allocator, kernel selection
@@ -228,6 +251,7 @@ def _rss_kib(field: str) -> int:
 def peak_memory_mib(config: Config, args, batches, device) -> float:
     """Peak memory of building the configuration and running two steps (the first also
     allocates the optimizer state), in this process."""
+    cfg = compose_config(*config.overrides)  # before the baseline: composing is not the step's memory
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -237,7 +261,7 @@ def peak_memory_mib(config: Config, args, batches, device) -> float:
             Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
         except OSError:
             pass  # without the reset, VmHWM includes the imports' transient peak: an overestimate
-    runner = Runner(config, args.model, args.lot, device)
+    runner = Runner(cfg, args.model, args.lot, device)
     for _ in range(2):
         runner.step(batches)
     if cuda:
@@ -341,7 +365,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     parser.add_argument("--engines", nargs="+", default=["opacus", "fast"])
     parser.add_argument("--clip-modes", nargs="+", default=["flat", "per_matrix"])
-    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=OPTIMIZERS)
     parser.add_argument("--memory", choices=["subprocess", "none"], default="subprocess")
     parser.add_argument("--memory-jobs", type=int, default=2, help="memory probes run at once")
     parser.add_argument("--seed", type=int, default=0)
@@ -364,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         vocab = vocab_size(args.model)
         examples, pad_id = synthetic_lot(args.lot, args.seq_len, args.seed, vocab), vocab - 1
-    batches = micro_batches(examples, args.micro_batch, pad_id)
+    # The lot as the trainer batches it: sorted by length, each micro-batch right-padded to its own longest sequence.
+    batches = list(lot_micro_batches(examples, range(len(examples)), args.micro_batch, pad_id))
     configs = configurations(args.engines, args.clip_modes, args.optimizers)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     print(

@@ -2,7 +2,7 @@
 """Fetch the raw E2E and DART files into data/raw/ (or --root), or link a local copy.
 
     python scripts/download_data.py                       # download (needs internet)
-    python scripts/download_data.py --link ../shared/data # use a local copy instead
+    python scripts/download_data.py --link /path/to/data   # use a local copy instead
 
 The logic lives in `dpmuon.data.download` so it is importable and tested.
 """

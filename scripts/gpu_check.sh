@@ -158,7 +158,7 @@ EOF
 
 gpu_tests() {
     local files
-    mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
+    mapfile -t files < <(grep -rl --include="test_*.py" "pytest.mark.gpu" tests | sort)
     ((${#files[@]})) || { echo "no test file uses the gpu marker"; return 1; }
     DPMUON_TEST_DEVICE="$TEST_DEVICE" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rs \
         --junitxml="$OUT/pytest_gpu.xml" "${files[@]}" 2>&1 | tee "$OUT/pytest_gpu.log"

@@ -18,11 +18,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
+from dpmuon.config import compose_config
 from dpmuon.data import DataError
 from dpmuon.errors import UserError
-from dpmuon.train import CONFIG_DIR
 from dpmuon.training.loop import run
 
 PUBLIC_CORPUS = {
@@ -40,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     out = args.out or Path("models") / f"public-for-{args.private}"
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"experiment=public_for_{args.private}", *args.overrides])
+    cfg = compose_config(f"experiment=public_for_{args.private}", *args.overrides)
     run_dir = args.run_dir or Path("outputs") / f"public_for_{args.private}" / f"seed{cfg.seed}"
     print(f"public corpus for private={args.private}: {PUBLIC_CORPUS[args.private]}", file=sys.stderr)
     try:

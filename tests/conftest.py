@@ -1,9 +1,15 @@
-"""Shared fixtures: a tiny random GPT-2 and synthetic token batches."""
+"""Shared fixtures: a tiny random GPT-2, synthetic token batches, and a tree of synthetic run directories.
+
+The one conftest.py: test files import its helpers as `from conftest import ...`, and a second
+conftest.py in a subfolder would take the module name `conftest` from this one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from helpers_runs import write_runs_tree
 
 from dpmuon.models import IGNORE_INDEX, build_random_gpt2
 
@@ -42,6 +48,12 @@ def tied_model():
 @pytest.fixture
 def untied_model():
     return tiny_gpt2(tie=False)
+
+
+@pytest.fixture
+def runs_root(tmp_path: Path) -> Path:
+    """Synthetic run directories under tmp_path/outputs (helpers_runs.write_runs_tree)."""
+    return write_runs_tree(tmp_path / "outputs")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Composing driver configs in tests, and the real-data switch (skip locally, fail under CI)."""
+"""Composing driver configs in tests, the config groups and experiments conf/ offers, and the
+real-data switch (skip locally, fail under CI)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
+from dpmuon.config import compose_config, compose_many  # noqa: F401  (the tests import them from here)
 from dpmuon.train import CONFIG_DIR
 
-
-def compose_config(*overrides: str):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def compose_many(override_lists):
-    """Compose several configs under one Hydra initialization (much faster than one each)."""
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        for overrides in override_lists:
-            yield overrides, compose(config_name="config", overrides=list(overrides))
+# The options of the config groups the tests combine, and every experiment (None: no experiment).
+GROUPS = {name: sorted(p.stem for p in (Path(CONFIG_DIR) / name).glob("*.yaml")) for name in ("optimizer", "dataset", "model", "privacy", "logger")}
+EXPERIMENTS = [None] + sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
 
 
 def require_real_data() -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from dpmuon.eval.cli import tables_main
+from dpmuon.paths import REPO_ROOT
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = REPO_ROOT / "results"
 TABLE_FILES = ("table.md", "table.csv", "table.tex")
 COMMITTED = sorted(p.parent for p in RESULTS.glob("*/runs") if (p.parent / "table.md").exists())
 

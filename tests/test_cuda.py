@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from test_decoding import CharTokenizer
+from helpers_tokenizers import CharTokenizer
 
 from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_gpt2, token_batch
-from test_bf16_cpu import one_thread  # noqa: F401  (autouse: one torch thread for these tiny models)
-from test_decoding import CharTokenizer
+from helpers_threads import one_thread  # noqa: F401  (autouse: one torch thread for these tiny models)
+from helpers_tokenizers import CharTokenizer
 from torch.overrides import TorchFunctionMode
 
 import dpmuon

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 
 import pytest
 import tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+from dpmuon.paths import REPO_ROOT
+
+SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -23,7 +23,7 @@ def test_entry_point_resolves_to_a_callable(name):
 def test_wrappers_in_scripts_call_an_entry_point():
     targets = {tuple(t.split(":")) for t in SCRIPTS.values()}
     wrappers = {}
-    for path in ROOT.glob("scripts/*.py"):
+    for path in REPO_ROOT.glob("scripts/*.py"):
         text = path.read_text()
         found = re.search(r"^from (dpmuon[\w.]*) import (\w+)$", text, re.M)
         if found and re.search(rf"exit\({found[2]}\(\)\)", text, re.I):  # a wrapper: it only calls what it imports

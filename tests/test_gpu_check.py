@@ -7,14 +7,14 @@ import json
 import os
 import subprocess
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch
 from helpers_train import require_real_data
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "gpu_check.sh"
+from dpmuon.paths import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "scripts" / "gpu_check.sh"
 DP_OPTIMIZERS = {"dp_sgd", "dp_adam", "dp_muon", "dp_muonbc"}
 
 

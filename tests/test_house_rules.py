@@ -5,11 +5,12 @@ training, data never imports models, and no function is too long to name."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "dpmuon"
+from dpmuon.paths import REPO_ROOT
+
+SRC = REPO_ROOT / "src" / "dpmuon"
 MAX_FUNCTION_LINES = 80
 
 

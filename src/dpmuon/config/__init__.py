@@ -1,5 +1,6 @@
 """The configuration schema and its checks (see schema.py)."""
 
+from .compose import compose_config, compose_many
 from .schema import OPTIONS, ConfigError, Option, validate
 
-__all__ = ["OPTIONS", "ConfigError", "Option", "validate"]
+__all__ = ["OPTIONS", "ConfigError", "Option", "compose_config", "compose_many", "validate"]

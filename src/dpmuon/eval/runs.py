@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
@@ -27,6 +29,64 @@ OPTIONAL_NUMBER_KEYS = (
 )  # fmt: skip
 # Per-step quantities the curves read; other logged keys are passed through unchecked.
 CURVE_KEYS = ("train_loss", "val_nll", "epsilon", "lr")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """summary.json as the trainer writes it: what was run, what it cost in privacy, what it scored.
+
+    Readers accept records older than a field (REQUIRED_SUMMARY_KEYS is what every record has).
+    """
+
+    dataset: str
+    optimizer: str
+    model: str
+    seed: int
+    learning_rates: dict[str, float]  # optimizer.lr, and optimizer.adam.lr for the Muon family's other parameters
+    private: bool
+    target_epsilon: float
+    epsilon: float | None  # None: non-private
+    delta: float
+    delta_times_n: float
+    noise_multiplier: float  # 0: non-private
+    sample_rate: float
+    expected_lot_size: int
+    dataset_size: int
+    steps: int
+    planned_steps: int
+    releases_charged: int | None
+    stopped_by_budget_guard: bool
+    stop_reason: str | None
+    mechanism_randomness: str | None
+    data_fingerprint: str
+    validation_split: str | None
+    accountant: str
+    clip_mode: str | None
+    clip_norm: float | None
+    sampling: str
+    engine: str | None
+    world_size: int
+    tied_lm_head: bool
+    initial_weights_sha256: str
+    final_weights_sha256: str
+    test_nll: float | None
+    val_nll: float | None
+    bleu: float | None
+    bleu_lowercase: float | None
+    bleu_single_ref: float | None
+    rouge_l: float | None
+    metric_implementations: dict[str, str]
+    test_sources: int
+    train_seconds: float | None = None  # only with non-private diagnostics on: it times the lots
+    git_commit: str | None
+    command: str
+    run_dir: str
+
+    def as_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        if record["train_seconds"] is None:
+            del record["train_seconds"]
+        return record
 
 
 class RunFormatError(ValueError):
@@ -65,9 +125,28 @@ class Run:
         target = self.summary["target_epsilon"]
         return float(target) if self.is_private and target is not None else None
 
+    @property
+    def learning_rates(self) -> dict[str, float]:
+        """The optimizer's rates: from the summary, or, for records older than that field, from
+        the run's config (config.yaml as published, .hydra/config.yaml in a run directory)."""
+        if "learning_rates" in self.summary:
+            return self.summary["learning_rates"]
+        for config in (self.path / "config.yaml", self.path / ".hydra" / "config.yaml"):
+            if config.exists():
+                return learning_rates(OmegaConf.load(config).optimizer)
+        raise RunFormatError(f"{self.path / SUMMARY_FILE}: no 'learning_rates', and no config.yaml beside it to read them from")
+
     def load_metrics(self) -> list[dict[str, Any]]:
         """The logged rows in file order; empty when the run logged none."""
         return read_metrics(self.path / METRICS_FILE)
+
+
+def learning_rates(optimizer_config) -> dict[str, float]:
+    """optimizer.lr, and optimizer.adam.lr where the optimizer has an Adam part."""
+    rates = {"lr": float(optimizer_config["lr"])}
+    if "adam" in optimizer_config:
+        rates["adam.lr"] = float(optimizer_config["adam"]["lr"])
+    return rates
 
 
 def find_runs(paths: Sequence[Path]) -> list[Run]:

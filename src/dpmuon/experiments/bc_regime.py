@@ -28,8 +28,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
+from ..eval.runs import SUMMARY_FILE, Run, read_summary
 from ..training.plan import PRV_MAX_EPSILON
 from .jobs import REPO, Job, publish, run_job
 
@@ -60,8 +59,8 @@ STUDY_RUNS = REPO / "results" / "e2e" / "runs"  # the committed study, whose rat
 
 def committed_rate(optimizer: str, study_runs: Path = STUDY_RUNS) -> float:
     """The learning rate the committed study's finals of `optimizer` used (selected by its tuning)."""
-    config = OmegaConf.load(study_runs / f"{optimizer}_seed0" / "config.yaml")
-    return float(config.optimizer.lr)
+    final = study_runs / f"{optimizer}_seed0"
+    return Run(final, read_summary(final / SUMMARY_FILE)).learning_rates["lr"]
 
 
 def run_overrides(optimizer: str, lr: float, epsilon: float, seed: int) -> tuple[str, ...]:

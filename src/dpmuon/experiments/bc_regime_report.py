@@ -25,8 +25,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
-from omegaconf import OmegaConf
 
+from ..eval.runs import Run
 from ..paths import REPO_ROOT
 from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, SEEDS
 
@@ -60,10 +60,11 @@ def load_runs(root: Path) -> list[RegimeRun]:
         match = _NAME.match(run_dir.name)
         if match is None:
             continue
-        summary = json.loads(summary_path.read_text())
+        record = Run(run_dir, json.loads(summary_path.read_text()))
+        summary = record.summary
         run = RegimeRun(
             run_dir.name, run_dir.parent.name, match["opt"], match["variant"], int(match["eps"]),
-            float(OmegaConf.load(run_dir / "config.yaml").optimizer.lr), int(match["seed"]),
+            record.learning_rates["lr"], int(match["seed"]),
             summary.get("test_nll"), summary.get("val_nll"), summary.get("epsilon"),
         )
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():

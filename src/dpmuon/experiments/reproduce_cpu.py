@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config.roster import optimizer_names
+from ..eval.runs import SUMMARY_FILE, Run, read_summary
 from .jobs import REPO, Job, publish, run_job
 
 DP_OPTIMIZERS = optimizer_names(private=True)  # conf/optimizer/*.yaml with private: true
@@ -101,10 +102,8 @@ def run_all(jobs: list[Job], work: Path, results: Path, parallel: int) -> list[d
         published_dirs = list(pool.map(lambda job: run_job(job, work, results, threads), jobs))
     summaries = []
     for published in published_dirs:
-        summary = json.loads((published / "summary.json").read_text())
-        config = (published / "config.yaml").read_text()
-        summary["learning_rate"] = _config_lr(config)
-        summaries.append(summary)
+        run = Run(published, read_summary(published / SUMMARY_FILE))
+        summaries.append({**run.summary, "learning_rate": run.learning_rates["lr"]})
     return summaries
 
 
@@ -144,11 +143,6 @@ def publish_public_model(dataset: str, results: Path) -> None:
     (record / "weights_sha256.txt").write_text(fingerprint + "\n")
     print(f"[{dataset}] public model {fingerprint[:12]}: provenance in {record}", flush=True)
 
-
-def _config_lr(config_yaml: str) -> float:
-    from omegaconf import OmegaConf
-
-    return float(OmegaConf.create(config_yaml).optimizer.lr)
 
 
 def write_tuning_table(summaries: list[dict], rates: dict[str, float], path: Path, steps: int) -> None:

@@ -115,7 +115,9 @@ class Muon(torch.optim.Optimizer):
 
     def diagnostics(self) -> dict[str, dict[torch.Tensor, float]]:
         """Per-parameter quantities of the last step, computed from the release only (public)."""
-        return {"snr": dict(self.snr)} if self.snr else {}
+        # Without release noise (a non-private run) the SNR is infinite: nothing to report.
+        snr = {p: v for p, v in self.snr.items() if math.isfinite(v)}
+        return {"snr": snr} if snr else {}
 
     @torch.no_grad()
     def step(self, closure=None):

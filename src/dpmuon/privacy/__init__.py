@@ -3,6 +3,7 @@ under the privacy guarantee; everything downstream is post-processing of the rel
 
 from .accountant import (
     ACCOUNTANTS,
+    NullAccountant,
     PrivacyAccountant,
     calibrate_noise_multiplier,
     epsilon_after,
@@ -30,6 +31,7 @@ __all__ = [
     "MechanismRandomness",
     "NonFiniteReleaseError",
     "NonPrivateRelease",
+    "NullAccountant",
     "PoissonLotSampler",
     "PrivacyAccountant",
     "PrivacyLedger",

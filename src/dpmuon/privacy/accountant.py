@@ -96,6 +96,16 @@ def calibrate_noise_multiplier(
     return float(sigma)
 
 
+class NullAccountant:
+    """The accountant of a non-private run: it charges nothing and reports no ε (not 0: nothing
+    about the run is private)."""
+
+    steps = None
+
+    def epsilon(self) -> None:
+        return None
+
+
 class PrivacyAccountant:
     """The running ledger of one training run: every release is recorded here, once."""
 

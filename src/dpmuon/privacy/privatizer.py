@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from .accountant import PrivacyAccountant
+from .accountant import NullAccountant, PrivacyAccountant
 from .blocks import BlockPartition
 from .distributed import SINGLE, DataParallel
 from .engines import PerExampleLoss, build_engine
@@ -145,6 +145,11 @@ class Privatizer:
         stds = sorted(s / self.expected_lot_size for s in self.block_stds)
         return {"noise_std": statistics.median(stds), "noise_std_min": stds[0], "noise_std_max": stds[-1]}
 
+    def public_step_fields(self, with_epsilon: bool) -> dict[str, float]:
+        """What a metrics row shows of the mechanism after a release: the noise std and, when
+        asked (an accountant call is not free), ε spent so far."""
+        return ({"epsilon": self.accountant.epsilon()} if with_epsilon else {}) | self.noise_std_range()
+
     def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss, step: int | None = None) -> ReleaseStats:
         """Privatize one lot (given as physical micro-batches) into p.grad and account for it.
 
@@ -250,9 +255,13 @@ class NonPrivateRelease:
         self.model = model
         self.noise_multiplier = 0.0
         self.parallel = parallel
+        self.accountant = NullAccountant()
 
     def release_noise_std(self) -> dict[str, float]:
         return {n: 0.0 for n in self.params}
+
+    def public_step_fields(self, with_epsilon: bool) -> dict[str, float]:
+        return {}
 
     def release(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss, step: int | None = None) -> ReleaseStats:
         for p in self.params.values():
@@ -272,8 +281,8 @@ class NonPrivateRelease:
             p.grad = grad / stats.lot_size if stats.lot_size else grad
         return stats
 
-    def epsilon(self) -> float | None:
-        return None
+    def epsilon(self) -> None:
+        return self.accountant.epsilon()
 
     def close(self) -> None:
         pass

@@ -29,7 +29,7 @@ from ..diagnostics import OracleAlignment
 from ..errors import UserError
 from ..eval.curves import write_curves
 from ..eval.metrics import SCORE_KEYS, score
-from ..eval.runs import Run
+from ..eval.runs import Run, RunSummary, learning_rates
 from ..models import build_model, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss, weights_fingerprint
 from ..optim import OptimizerInputs, build_optimizer
 from ..optim.schedules import build_scheduler
@@ -80,8 +80,7 @@ class Training:
     named: dict[str, torch.nn.Parameter]
     ledger: PrivacyLedger | None
     partition: BlockPartition | None
-    accountant: PrivacyAccountant | None  # None: a non-private run
-    release: Privatizer | NonPrivateRelease
+    release: Privatizer | NonPrivateRelease  # its accountant: a NullAccountant when non-private
     optimizer: torch.optim.Optimizer
     sampler: Any
     scheduler: Any
@@ -132,7 +131,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     if not t.parallel.is_main:  # rank 0 evaluates and writes the artifacts
         return None
     test_nll, scores = evaluate(t)
-    summary = run_summary(t, stop_reason, test_nll, scores, version, command)
+    summary = run_summary(t, stop_reason, test_nll, scores, version, command).as_dict()
     finish(t, summary)
     return summary
 
@@ -171,7 +170,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     ledger = open_ledger(cfg, run_dir, plan, data, parallel)
     noise = GaussianNoise(randomness.noise, secure=randomness.secure)
-    partition, accountant, release = build_release(cfg, model, named, matrices, plan, noise, parallel, ledger)
+    partition, release = build_release(cfg, model, named, matrices, plan, noise, parallel, ledger)
     optimizer = build_optimizer(
         cfg.optimizer.kind,
         OptimizerInputs(params=named, hidden_matrices=matrices, release_noise_std=release.release_noise_std(), generator=generators["probes"]),
@@ -187,7 +186,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     fixed_shape = plan.private and fixed_batch_shape(cfg, resolve_precision(cfg.trainer.precision, device))
     return Training(
         cfg, run_dir, device, parallel, autocast_factory(cfg.trainer.precision, device), tokenizer, data, plan, model,
-        initial_weights, randomness, generators, named, ledger, partition, accountant, release, optimizer, sampler,
+        initial_weights, randomness, generators, named, ledger, partition, release, optimizer, sampler,
         scheduler, oracle, min(int(cfg.dataset.max_length), max_length) if fixed_shape else None, MetricsLog(run_dir / "metrics.jsonl"),
     )
 
@@ -234,8 +233,8 @@ def resume(t: Training) -> None:
     if t.private:
         restore_mechanism(t.randomness, t.sampler, t.release, t.mechanism_state_path, t.start_step, t.ledger, t.parallel)
     if state is not None or (t.ledger is not None and t.ledger.releases):
-        spent = f", ε so far {t.accountant.epsilon():.4f} (from the ledger)" if t.accountant else ""
-        log(f"resumed from step {t.start_step} of {t.plan.steps}{spent}")
+        spent = t.release.accountant.epsilon()
+        log(f"resumed from step {t.start_step} of {t.plan.steps}" + (f", ε so far {spent:.4f} (from the ledger)" if t.private else ""))
     if t.parallel.is_main:
         moved = t.metrics.set_aside_after(t.start_step)
         if moved:
@@ -287,8 +286,9 @@ def train(t: Training) -> str | None:
             bar_format=None if t.diagnostics else "{l_bar}{bar}| {n_fmt}/{total_fmt}",
         )
         for step in bar:
-            if t.accountant and not within_budget(t.accountant, t.plan):
-                reason = f"budget guard: releasing step {step} would exceed ε={t.plan.target_epsilon} (ε spent {t.accountant.epsilon():.4f})"
+            if not within_budget(t.release.accountant, t.plan):
+                spent = t.release.accountant.epsilon()
+                reason = f"budget guard: releasing step {step} would exceed ε={t.plan.target_epsilon} (ε spent {spent:.4f})"
                 log(f"{reason}; stopping")
                 checkpoint(t, t.last_step)
                 return reason
@@ -367,15 +367,13 @@ def loss_function(t: Training):
 def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: float) -> dict[str, Any]:
     """The step's metrics row: public values always, the raw lot's only with diagnostics on."""
     row: dict[str, Any] = {"step": step, "lr": t.optimizer.param_groups[0]["lr"]}
-    if t.accountant and (step % max(1, int(t.cfg.logging.epsilon_every)) == 0 or step == t.plan.steps):
-        row["epsilon"] = t.accountant.epsilon()
-    if t.private:
-        row.update(t.release.noise_std_range())  # (a replayed, uncharged release is marked in the ledger)
-        names = {p: n for n, p in t.named.items()}
-        diagnose = getattr(t.optimizer, "diagnostics", None)
-        for key, values in (diagnose() if diagnose else {}).items():  # computed from the release: public
-            row[key] = {names[p]: v for p, v in values.items()}
-            row[f"{key}_median"] = statistics.median(values.values())
+    with_epsilon = step % max(1, int(t.cfg.logging.epsilon_every)) == 0 or step == t.plan.steps
+    row.update(t.release.public_step_fields(with_epsilon))  # (a replayed, uncharged release is marked in the ledger)
+    names = {p: n for n, p in t.named.items()}
+    diagnose = getattr(t.optimizer, "diagnostics", None)
+    for key, values in (diagnose() if diagnose else {}).items():  # computed from the release: public
+        row[key] = {names[p]: v for p, v in values.items()}
+        row[f"{key}_median"] = statistics.median(values.values())
     if t.diagnostics:
         row.update(diagnostic_fields(stats, t.partition, t.private), **oracle_fields, step_seconds=elapsed)
     eval_every = int(t.cfg.trainer.eval_every) if t.validate else 0
@@ -404,48 +402,58 @@ def evaluate(t: Training) -> tuple[float | None, dict]:
     return test_nll, score(generations, [item.references for item in t.data.test_items])
 
 
-def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, scores: dict, version: str, command: str) -> dict[str, Any]:
+def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, scores: dict, version: str, command: str) -> RunSummary:
     """The run's summary.json: what was run, what it cost in privacy, and what it scored."""
-    cfg, plan, private = t.cfg, t.plan, t.private
-    return {
-        "dataset": cfg.dataset.name,
-        "optimizer": cfg.optimizer.name,
-        "model": cfg.model.name,
-        "seed": int(cfg.seed),
-        "private": private,
-        "target_epsilon": plan.target_epsilon,
-        "epsilon": t.accountant.epsilon() if t.accountant else None,
-        "delta": plan.delta,
-        "delta_times_n": plan.delta_times_n,
-        "noise_multiplier": plan.noise_multiplier,
-        "sample_rate": plan.sample_rate,
-        "expected_lot_size": plan.expected_lot_size,
-        "dataset_size": plan.dataset_size,
-        "steps": t.last_step,
-        "planned_steps": plan.steps,
-        "releases_charged": t.accountant.steps if t.accountant else None,
-        "stopped_by_budget_guard": stop_reason is not None,
-        "stop_reason": stop_reason,
-        "mechanism_randomness": t.randomness.source if private else None,
-        "data_fingerprint": t.data.train_source,
-        "validation_split": validation_split(cfg) if t.validate else None,
-        "accountant": plan.accountant,
-        "clip_mode": cfg.privacy.clip_mode if private else None,
-        "clip_norm": float(cfg.privacy.clip_norm) if private else None,
-        "sampling": cfg.privacy.sampling if private else "poisson",
-        "engine": cfg.privacy.engine if private else None,
-        "world_size": t.parallel.world_size,
-        "tied_lm_head": lm_head_is_tied(t.model),
-        "initial_weights_sha256": t.initial_weights,
-        "final_weights_sha256": weights_fingerprint(t.model),
-        "test_nll": test_nll,
-        "val_nll": _last(t.metrics.rows(), "val_nll"),
+    cfg, plan = t.cfg, t.plan
+    return RunSummary(
+        dataset=cfg.dataset.name,
+        optimizer=cfg.optimizer.name,
+        model=cfg.model.name,
+        seed=int(cfg.seed),
+        learning_rates=learning_rates(cfg.optimizer),
+        private=plan.private,
+        target_epsilon=plan.target_epsilon,
+        epsilon=t.release.accountant.epsilon(),
+        delta=plan.delta,
+        delta_times_n=plan.delta_times_n,
+        noise_multiplier=plan.noise_multiplier,
+        sample_rate=plan.sample_rate,
+        expected_lot_size=plan.expected_lot_size,
+        dataset_size=plan.dataset_size,
+        steps=t.last_step,
+        planned_steps=plan.steps,
+        releases_charged=t.release.accountant.steps,
+        stopped_by_budget_guard=stop_reason is not None,
+        stop_reason=stop_reason,
+        data_fingerprint=t.data.train_source,
+        validation_split=validation_split(cfg) if t.validate else None,
+        accountant=plan.accountant,
+        **mechanism_fields(cfg, plan.private, t.randomness),
+        world_size=t.parallel.world_size,
+        tied_lm_head=lm_head_is_tied(t.model),
+        initial_weights_sha256=t.initial_weights,
+        final_weights_sha256=weights_fingerprint(t.model),
+        test_nll=test_nll,
+        val_nll=_last(t.metrics.rows(), "val_nll"),
         **{key: scores[key] for key in SCORE_KEYS},
-        "test_sources": len(t.data.test_items) if cfg.eval.test else 0,
-        **({"train_seconds": t.train_seconds} if t.diagnostics else {}),
-        "git_commit": version,
-        "command": command,
-        "run_dir": repo_relative(str(t.run_dir.resolve())),
+        test_sources=len(t.data.test_items) if cfg.eval.test else 0,
+        train_seconds=t.train_seconds if t.diagnostics else None,
+        git_commit=version,
+        command=command,
+        run_dir=repo_relative(str(t.run_dir.resolve())),
+    )
+
+
+def mechanism_fields(cfg: DictConfig, private: bool, randomness: MechanismRandomness) -> dict[str, Any]:
+    """How the release was made; a non-private run has no mechanism (and samples Poisson lots)."""
+    if not private:
+        return {"mechanism_randomness": None, "clip_mode": None, "clip_norm": None, "sampling": "poisson", "engine": None}
+    return {
+        "mechanism_randomness": randomness.source,
+        "clip_mode": cfg.privacy.clip_mode,
+        "clip_norm": float(cfg.privacy.clip_norm),
+        "sampling": cfg.privacy.sampling,
+        "engine": cfg.privacy.engine,
     }
 
 
@@ -471,12 +479,12 @@ def finish(t: Training, summary: dict[str, Any]) -> None:
 
 
 def build_release(cfg: DictConfig, model, named: dict, matrices: dict, plan, noise: GaussianNoise, parallel: DataParallel, ledger):
-    """The mechanism of the plan: (partition, accountant, privatizer), or the non-private release.
+    """The mechanism of the plan: (partition, privatizer), or the non-private release.
 
     The accountant starts from the ledger's charged releases: ε spent always comes from there.
     """
     if not plan.private:
-        return None, None, NonPrivateRelease(model, parallel)
+        return None, NonPrivateRelease(model, parallel)
     sizes = {n: p.numel() for n, p in named.items()}
     partition = build_partition(
         named,
@@ -504,7 +512,7 @@ def build_release(cfg: DictConfig, model, named: dict, matrices: dict, plan, noi
         parallel=parallel,
         ledger=ledger,
     )
-    return partition, accountant, privatizer
+    return partition, privatizer
 
 
 def open_ledger(cfg: DictConfig, run_dir: Path, plan, data, parallel: DataParallel) -> PrivacyLedger | None:

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
-from ..privacy import PrivacyAccountant, calibrate_noise_multiplier, epsilon_after, plan_steps
+from ..privacy import NullAccountant, PrivacyAccountant, calibrate_noise_multiplier, epsilon_after, plan_steps
 
 # The largest target ε the PRV accountant is used for: it calibrated ε = 128 (lot 256, 100 steps
 # on E2E) without trouble, and was killed for memory at ε = 1024. RDP has no such limit.
@@ -105,13 +105,15 @@ def check_resume_compatible(stored: dict, current: PrivacyPlan) -> None:
             raise UserError(f"cannot resume: the stored run has {key}={old!r}, this configuration gives {new!r}")
 
 
-def within_budget(accountant: PrivacyAccountant, plan: PrivacyPlan) -> bool:
+def within_budget(accountant: PrivacyAccountant | NullAccountant, plan: PrivacyPlan) -> bool:
     """Would one more release keep ε ≤ target?
 
     While the ledger is the plan's own (σ, q) and stays within its steps, ε is bounded by the
     planned ε, which make_plan verified — no accountant call needed. Anything else (a ledger
     from elsewhere) is checked exactly.
     """
+    if not plan.private:  # nothing is charged, so there is no budget to exceed
+        return True
     history = accountant.history
     on_plan = all((s, q) == (plan.noise_multiplier, plan.sample_rate) for s, q, _ in history)
     if on_plan and accountant.steps + 1 <= plan.steps:

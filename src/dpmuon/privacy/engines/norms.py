@@ -3,7 +3,7 @@
 Hugging Face gives every architecture its own RMSNorm class (`LlamaRMSNorm`, `Qwen2RMSNorm`,
 …), and both engines dispatch on exact types (a subclass may use its weight differently), so
 each class must be registered. The ones listed here compute y = γ ⊙ x / √(mean(x²) + ε) over
-the last dimension, ε in `variance_epsilon` — checked against autograd in tests/test_llama.py.
+the last dimension, ε in `variance_epsilon` — checked against autograd in tests/models/test_llama.py.
 Others with that forward are added with `register_rms_norm` (Gemma's, which scales by 1 + γ,
 is *not* one of them).
 """

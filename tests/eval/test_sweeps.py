@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_runs import PNG_SIGNATURE, write_run
 from helpers_train import require_real_data
 from hydra import compose, initialize_config_dir
-from test_tables_curves import PNG_SIGNATURE, write_run
 
 from dpmuon.eval.cli import sweep_plots_main
 from dpmuon.eval.runs import find_runs

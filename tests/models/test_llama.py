@@ -11,7 +11,7 @@ import torch
 from conftest import VOCAB, fast_squared_norms, token_batch
 from helpers_train import compose_config, require_real_data
 from reference import PARTITIONS, assert_close_dicts, assert_close_norms, naive_reference, opacus_reference, partition_for
-from test_models import StubTokenizer
+from helpers_tokenizers import StubTokenizer
 
 from dpmuon.models import Shape, build_model, build_random_lm, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss
 from dpmuon.privacy import build_engine

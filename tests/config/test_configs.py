@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_gpt2
-from helpers_train import compose_config, compose_many
+from helpers_train import EXPERIMENTS, GROUPS, compose_config, compose_many
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
@@ -16,9 +16,6 @@ from dpmuon.models import hidden_matrices
 from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
 from dpmuon.optim.registry import _completed
 from dpmuon.train import CONFIG_DIR
-
-GROUPS = {name: sorted(p.stem for p in (Path(CONFIG_DIR) / name).glob("*.yaml")) for name in ("optimizer", "dataset", "model", "privacy", "logger")}
-EXPERIMENTS = [None] + sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
 
 
 def test_groups_offer_what_the_docs_promise():

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,11 +35,12 @@ from dpmuon.audit import (
     train_and_score,
 )
 from dpmuon.audit import canaries as audit_module
+from dpmuon.paths import REPO_ROOT
 from dpmuon.privacy import PoissonLotSampler, epsilon_after
 
 QUICK_FAST, QUICK_OPACUS = MODES["quick"]
 (FULL_GPT2,) = [setup for setup in MODES["full"] if setup.model == "gpt2"]
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "audit_privacy.py"
+SCRIPT = REPO_ROOT / "scripts" / "audit_privacy.py"
 
 
 def randomized_response_correct(epsilon: float, canaries: int, rng: np.random.Generator) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dpmuon.errors import UserError
-from dpmuon.privacy import PrivacyAccountant, epsilon_after
+from dpmuon.privacy import NullAccountant, PrivacyAccountant, epsilon_after
 from dpmuon.training.plan import make_plan, within_budget
 
 BASE = dict(private=True, dataset_size=10_000, expected_lot_size=100, epochs=None, steps=300, target_epsilon=3.0, delta=1e-5, accountant="prv")
@@ -61,3 +61,10 @@ def test_prv_beyond_its_largest_epsilon_is_refused_with_the_fix_instead_of_runni
     plan = make_plan(target_epsilon=1024.0, accountant="rdp", **kwargs)
     assert plan.planned_epsilon <= 1024.0 and plan.noise_multiplier > 0
     assert PRV_MAX_EPSILON >= 128  # the map's ε = 128 runs used PRV
+
+
+def test_a_non_private_run_has_no_budget_to_exceed_and_reports_no_epsilon():
+    plan = make_plan(**{**BASE, "private": False}, noise_multiplier=None)
+    accountant = NullAccountant()
+    assert within_budget(accountant, plan)
+    assert accountant.epsilon() is None and accountant.steps is None  # "no guarantee", never ε = 0

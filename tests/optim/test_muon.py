@@ -131,6 +131,18 @@ def test_bias_correction_changes_noisy_updates_unless_gated_by_snr():
     assert torch.equal(open_gate, corrected)
 
 
+def test_diagnostics_report_the_snr_only_of_noisy_releases():
+    p, q = torch.nn.Parameter(torch.zeros(16, 24)), torch.nn.Parameter(torch.zeros(8, 8))
+    opt = Muon([p, q], lr=0.1, release_noise_std={p: 0.5, q: 0.0})
+    p.grad, q.grad = torch.randn(p.shape), torch.randn(q.shape)
+    opt.step()
+    assert set(opt.diagnostics()["snr"]) == {p}  # q's release has no noise: its SNR is infinite, not logged
+    opt = Muon([q], lr=0.1, release_noise_std={q: 0.0})
+    q.grad = torch.randn(q.shape)
+    opt.step()
+    assert opt.diagnostics() == {}
+
+
 def test_rejects_non_matrices():
     with pytest.raises(ValueError, match="matrices"):
         Muon([torch.nn.Parameter(torch.zeros(5))])

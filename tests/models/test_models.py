@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import torch
 from conftest import VOCAB, tiny_gpt2
+from helpers_tokenizers import StubTokenizer
 
 from dpmuon.models import build_model, context_length, hidden_matrices, lm_head_is_tied, untie_lm_head, weights_fingerprint
-
-
-class StubTokenizer:
-    """What build_model reads from a tokenizer: its length and special ids."""
-
-    def __init__(self, size: int):
-        self.size, self.eos_token_id, self.pad_token_id = size, size - 2, size - 1
-
-    def __len__(self):
-        return self.size
 
 
 def test_local_directory_loads_like_a_hub_id_and_grows_for_the_pad_token(tmp_path):

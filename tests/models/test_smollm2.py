@@ -18,8 +18,9 @@ from dpmuon.data.records import Example
 from dpmuon.models import IGNORE_INDEX, build_model, hidden_matrices, lm_head_is_tied, per_example_lm_loss
 from dpmuon.privacy import build_partition
 from dpmuon.privacy.engines.fast import FastEngine
+from dpmuon.paths import REPO_ROOT
 
-SMOLLM2 = Path(os.environ.get("DPMUON_SMOLLM2", Path(__file__).resolve().parents[1] / "models" / "smollm2"))
+SMOLLM2 = Path(os.environ.get("DPMUON_SMOLLM2", REPO_ROOT / "models" / "smollm2"))
 pytestmark = pytest.mark.skipif(
     not (SMOLLM2 / "config.json").is_file(), reason=f"no SmolLM2 directory at {SMOLLM2} (make models/smollm2, or set DPMUON_SMOLLM2)"
 )

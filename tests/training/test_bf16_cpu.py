@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from conftest import VOCAB, tiny_gpt2
+from helpers_threads import one_thread  # noqa: F401  (autouse: one torch thread for these tiny models)
 from helpers_train import compose_config, require_real_data
 from omegaconf import OmegaConf
 
@@ -24,16 +25,6 @@ from dpmuon.training.runtime import autocast_factory
 DP_OPTIMIZERS = ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
 SIGMA, SAMPLE_RATE, DELTA, CLIP = 0.3, 0.05, 1e-5, 1.0
 LOT, MICRO_BATCH, STEPS = 32, 16, 6
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Models this small gain nothing from a second thread, and two threads on a busy pair of
-    cores stall each other (and the driver sets trainer.num_threads for the rest of the process)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def counting_lot(size: int, length: int = 12, seed: int = 0) -> list[dict[str, torch.Tensor]]:

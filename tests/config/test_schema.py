@@ -6,9 +6,8 @@ import re
 import sys
 
 import pytest
-from helpers_train import compose_many
+from helpers_train import EXPERIMENTS, GROUPS, compose_many
 from omegaconf import OmegaConf
-from test_configs import EXPERIMENTS, GROUPS
 
 from dpmuon import train
 from dpmuon.config.schema import BY_KEY, OPTIONS, ConfigError, validate

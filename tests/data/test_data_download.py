@@ -10,8 +10,9 @@ import pytest
 from dpmuon.data import DATASETS, SPLITS, load_examples, locate_split
 from dpmuon.data.download import REMOTE_FILES, main
 from dpmuon.data.layout import FORMATS
+from dpmuon.paths import REPO_ROOT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "download_data.py"
+SCRIPT = REPO_ROOT / "scripts" / "download_data.py"
 
 
 @pytest.fixture

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from helpers_train import compose_config, require_real_data
 
+from dpmuon.eval.runs import RunSummary
 from dpmuon.training.loop import run
 
 TINY = [
@@ -32,6 +34,8 @@ def test_smoke_run_writes_the_artifact_contract(tmp_path, dataset, optimizer):
 
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == summary and SUMMARY_KEYS <= set(on_disk)
+    assert set(on_disk) == {f.name for f in dataclasses.fields(RunSummary)}  # the contract, exactly
+    assert on_disk["learning_rates"] == ({"lr": cfg.optimizer.lr, "adam.lr": cfg.optimizer.adam.lr} if "muon" in optimizer else {"lr": cfg.optimizer.lr})
     assert on_disk["optimizer"] == optimizer and on_disk["dataset"] == dataset and on_disk["steps"] == 4
     assert 0 < on_disk["epsilon"] <= on_disk["target_epsilon"] == 8.0
     assert on_disk["noise_multiplier"] == 1.0 and on_disk["accountant"] == "prv"
@@ -85,6 +89,9 @@ def test_non_private_reference_records_no_epsilon(tmp_path):
     require_real_data()
     summary = run(compose_config("experiment=smoke", "optimizer=adam", *TINY), tmp_path)
     assert summary["noise_multiplier"] == 0 and summary["epsilon"] is None and summary["private"] is False
+    assert summary["releases_charged"] is None and summary["clip_mode"] is None and summary["sampling"] == "poisson"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key in row for row in rows for key in ("epsilon", "noise_std"))  # no mechanism, nothing of one
 
 
 def test_wandb_offline_run_is_written_beside_the_local_files(tmp_path, monkeypatch):

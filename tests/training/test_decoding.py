@@ -5,24 +5,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from helpers_tokenizers import CharTokenizer
 
 from dpmuon.models import build_random_gpt2
 from dpmuon.training.evaluation import decode, fit_prompt
-
-
-class CharTokenizer:
-    """Bytes as tokens (ids 0-255), eos 256, pad 257: enough for generate() and decode()."""
-
-    eos_token_id, pad_token_id = 256, 257
-
-    def __call__(self, texts, add_special_tokens=False):
-        return {"input_ids": [list(t.encode()) for t in texts]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
-
-    def __len__(self):
-        return 258
 
 
 def test_fit_prompt_keeps_room_for_new_tokens():

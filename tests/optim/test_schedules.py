@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 from conftest import tiny_gpt2
+from helpers_resume import BETWEEN_CHECKPOINTS, OVERRIDES, SEEDED, assert_same_run, kill_after, resume, rows
 from helpers_train import compose_config, require_real_data
-from test_resume import BETWEEN_CHECKPOINTS, OVERRIDES, SEEDED, assert_same_run, kill_after, resume, rows
 from torch.optim.lr_scheduler import LambdaLR
 
 from dpmuon.models import hidden_matrices
