@@ -1,4 +1,4 @@
-"""The driver end to end on real E2E and DART subsets: artifacts of SPEC §4 and ε ≤ target."""
+"""The driver end to end on real E2E and DART subsets: the run-artifact contract (RunSummary, metrics.jsonl) and ε ≤ target."""
 
 from __future__ import annotations
 

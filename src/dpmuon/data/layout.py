@@ -33,8 +33,8 @@ _FILE_NAMES: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
         "test": ("testset_w_refs.csv",),
     },
     ("dart", "json"): {
-        # The official train file is preferred; the reconstructed one stands in where the
-        # original could not be obtained (see the shared data README).
+        # The official train file is preferred; a reconstructed one (a data provider's stand-in,
+        # where the original could not be obtained) is used only in its absence.
         "train": ("dart-v1.1.1-full-train.json", "dart-v1.1.1-full-train.reconstructed.json"),
         "valid": ("dart-v1.1.1-full-dev.json",),
         "test": ("dart-v1.1.1-full-test.json",),
