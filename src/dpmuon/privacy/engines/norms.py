@@ -4,7 +4,7 @@ Hugging Face gives every architecture its own RMSNorm class (`LlamaRMSNorm`, `Qw
 …), and both engines dispatch on exact types (a subclass may use its weight differently), so
 each class must be registered. The ones listed here compute y = γ ⊙ x / √(mean(x²) + ε) over
 the last dimension, ε in `variance_epsilon` — checked against autograd in tests/models/test_llama.py.
-Others with that forward are added with `register_rms_norm` (Gemma's, which scales by 1 + γ,
+Others with that forward are added with `engines.register_rms_norm` (Gemma's, which scales by 1 + γ,
 is *not* one of them).
 """
 
@@ -39,11 +39,3 @@ def rms_normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """
     return F.rms_norm(x.float(), (x.shape[-1],), eps=rms_eps(module))
 
-
-def register_rms_norm(*module_types: type[nn.Module]) -> None:
-    """Teach both engines an HF-style RMSNorm class (forward γ ⊙ x / √(mean(x²) + variance_epsilon))."""
-    from .fast import RMSNormLayer, register_layer
-    from .opacus_samplers import register_rms_norm_sampler
-
-    register_layer(*module_types)(RMSNormLayer)
-    register_rms_norm_sampler(*module_types)
