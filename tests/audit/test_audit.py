@@ -3,7 +3,6 @@ settings, the broken mechanisms, and the verdicts of quick mode (the CI audit)."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from dataclasses import replace
@@ -35,12 +34,11 @@ from dpmuon.audit import (
     train_and_score,
 )
 from dpmuon.audit import canaries as audit_module
-from dpmuon.paths import REPO_ROOT
+from dpmuon.audit.cli import main as audit_main
 from dpmuon.privacy import PoissonLotSampler, epsilon_after
 
 QUICK_FAST, QUICK_OPACUS = MODES["quick"]
 (FULL_GPT2,) = [setup for setup in MODES["full"] if setup.model == "gpt2"]
-SCRIPT = REPO_ROOT / "scripts" / "audit_privacy.py"
 
 
 def randomized_response_correct(epsilon: float, canaries: int, rng: np.random.Generator) -> int:
@@ -290,11 +288,8 @@ def test_quick_mode_audits_the_moderate_breaks():
 
 
 def test_script_writes_json_and_markdown(tmp_path):
-    spec = importlib.util.spec_from_file_location("audit_privacy", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     out, table = tmp_path / "audit.json", tmp_path / "table.md"
-    assert script.main(["--scenario", "dirac-opacus", "--break", "no_clip", "--json", str(out), "--markdown", str(table)]) == 0
+    assert audit_main(["--scenario", "dirac-opacus", "--break", "no_clip", "--json", str(out), "--markdown", str(table)]) == 0
     report = json.loads(out.read_text())
     (result,) = report["scenarios"][0]["results"]
     assert result["mechanism"] == "broken: clipping off" and result["detected"]

@@ -1,8 +1,7 @@
-"""Random-stopping tuning: the Papernot–Steinke bound, and scripts/tune_private.py end to end."""
+"""Random-stopping tuning: the Papernot–Steinke bound, and the tuning driver (scripts/tune_private.py) end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
@@ -16,7 +15,7 @@ import pytest
 import torch
 from dp_accounting import dp_event
 
-from dpmuon.paths import REPO_ROOT
+from dpmuon.experiments import tune_private
 from dpmuon.privacy import epsilon_after
 from dpmuon.privacy.accountant import RDP_ORDERS
 from dpmuon.privacy.tuning import TruncatedNegativeBinomial, base_rdp, tuned_rdp, tuning_bound
@@ -27,17 +26,6 @@ torch.set_num_threads(1)
 # The committed E2E recipe (results/e2e/runs): σ, q and steps of one final run at ε = 8.
 E2E = (0.430145263671875, 0.006086398326240461, 100)
 E2E_DELTA = 8e-6
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("tune_private", REPO_ROOT / "scripts" / "tune_private.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-tune_private = _load_script()
 
 
 # --- the distribution of K --------------------------------------------------------------------
