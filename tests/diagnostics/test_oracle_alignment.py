@@ -55,6 +55,37 @@ def test_alignment_falls_with_the_noise():
     assert frobenius_cosine(signal, -signal) == pytest.approx(-1.0)
 
 
+def test_a_resumed_oracle_continues_its_mirrors_exactly():
+    """Mirrors and probe stream restored from state_dict give the rows of an uninterrupted run."""
+    g = torch.Generator().manual_seed(1)
+    signals = [torch.randn(8, 6, generator=g) for _ in range(4)]
+    noises = [torch.randn(8, 6, generator=g) for _ in range(4)]
+
+    def parts():
+        p = torch.nn.Parameter(torch.zeros(8, 6))
+        muon = Muon([p], lr=0.0, momentum=0.9, bias_correction=True, release_noise_std={p: 0.3})
+        return p, muon, OracleAlignment(muon, {p: "w"}, {"w": 0.3}, seed=5)
+
+    def advance(p, muon, oracle, steps):
+        rows = []
+        for signal, noise in steps:
+            oracle.observe({"w": signal})
+            p.grad = signal + noise
+            rows.append(oracle.step())
+            muon.step()
+        return rows
+
+    steps = list(zip(signals, noises))
+    whole = advance(*parts(), steps)
+    p, muon, oracle = parts()
+    advance(p, muon, oracle, steps[:2])
+    saved_muon, saved_oracle = muon.state_dict(), oracle.state_dict()
+    q, resumed_muon, resumed = parts()
+    resumed_muon.load_state_dict(saved_muon)
+    resumed.load_state_dict(saved_oracle)
+    assert advance(q, resumed_muon, resumed, steps[2:]) == whole[2:]
+
+
 def test_oracle_rows_are_logged_and_training_is_unchanged(tmp_path):
     require_real_data()
     plain = run(compose_config(*TINY, "optimizer=dp_muonbc"), tmp_path / "off")

@@ -10,9 +10,9 @@ the bias-corrected orthogonalization, whichever of them the optimizer steps with
 M₀ is a function of the private data without noise: these numbers are not covered by the
 guarantee (logging.oracle_alignment, only with non-private diagnostics on). Nothing here
 reaches the optimizer: the real buffer is mirrored, not read, and DP-MuonBC's probes for the
-corrected alignment come from this component's own generator. The mirrors are not
-checkpointed: after a resume both start again from zero, so the rows of a resumed run describe
-buffers accumulated since the resume.
+corrected alignment come from this component's own generator. The mirrors are saved with the
+run's secret mechanism state (M₀ is the private signal without noise: never in checkpoint.pt,
+which people share), so a resumed run continues them where they stood.
 """
 
 from __future__ import annotations
@@ -84,6 +84,22 @@ class OracleAlignment:
             "oracle_cos_bc": corrected,
             "oracle_cos_bc_median": statistics.median(corrected.values()),
         }
+
+    def state_dict(self) -> dict:
+        """Both mirrors, their noise variances and the probe generator, by parameter name."""
+        return {
+            "noisy": {self.names[p]: b for p, b in self.noisy.items()},
+            "clean": {self.names[p]: b for p, b in self.clean.items()},
+            "noise_var": {self.names[p]: v for p, v in self.noise_var.items()},
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        param = {name: p for p, name in self.names.items()}
+        self.noisy = {param[n]: b.to(param[n].device) for n, b in state["noisy"].items()}
+        self.clean = {param[n]: b.to(param[n].device) for n, b in state["clean"].items()}
+        self.noise_var = {param[n]: float(v) for n, v in state["noise_var"].items()}
+        self.generator.set_state(state["generator"])
 
     def _advance(self, p: torch.Tensor, noise_free: torch.Tensor, rule: MomentumRule):
         if p not in self.noisy:

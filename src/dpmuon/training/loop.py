@@ -232,6 +232,8 @@ def resume(t: Training) -> None:
     t.last_step = t.start_step
     if t.private:
         restore_mechanism(t.randomness, t.sampler, t.release, t.mechanism_state_path, t.start_step, t.ledger, t.parallel)
+    if t.oracle is not None and t.start_step > 0:
+        restore_oracle(t)
     if state is not None or (t.ledger is not None and t.ledger.releases):
         spent = t.release.accountant.epsilon()
         log(f"resumed from step {t.start_step} of {t.plan.steps}" + (f", ε so far {spent:.4f} (from the ledger)" if t.private else ""))
@@ -249,7 +251,17 @@ def resume(t: Training) -> None:
 
 def save_mechanism(t: Training, step: int) -> None:
     state = {"randomness": t.randomness.state_dict(), "sampler": t.sampler.state_dict()}
+    if t.oracle is not None:  # the noise-free mirrors are as secret as the noise
+        state["oracle"] = t.oracle.state_dict()
     save_mechanism_state(t.mechanism_state_path, step, state)
+
+
+def restore_oracle(t: Training) -> None:
+    saved = load_mechanism_state(t.mechanism_state_path, t.start_step)
+    if saved is not None and "oracle" in saved:
+        t.oracle.load_state_dict(saved["oracle"])
+    else:
+        log(f"no oracle mirrors saved at step {t.start_step}: they restart from zero (rows from here on see only the steps since)")
 
 
 def checkpoint(t: Training, step: int) -> None:
