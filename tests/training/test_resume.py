@@ -152,3 +152,21 @@ def test_a_seeded_replay_that_computes_another_gradient_is_redrawn_and_charged(t
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epsilon"] == pytest.approx(ledger_epsilon(after), rel=1e-12)
     assert summary["mechanism_randomness"].startswith("os entropy")
+
+
+def test_a_resumed_run_continues_its_oracle_mirrors_where_they_stood(tmp_path):
+    """The noise-free mirrors M₀ resume from the secret mechanism state: the oracle rows after a
+    kill between checkpoints are those of an uninterrupted run (they restarted from zero before)."""
+    require_real_data()
+    oracle = ("logging.oracle_alignment=true",)
+    torch.set_num_threads(1)
+    run(compose_config(*OVERRIDES, *SEEDED, *oracle), tmp_path / "uninterrupted")
+    killed = tmp_path / "killed"
+    kill_after(killed, BETWEEN_CHECKPOINTS, *SEEDED, *oracle)
+    done = resume(killed)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "restart from zero" not in done.stderr
+    resumed, uninterrupted = rows(killed), rows(tmp_path / "uninterrupted")
+    assert [r["oracle_snr"] for r in resumed] == [r["oracle_snr"] for r in uninterrupted]
+    assert resumed == uninterrupted
+    assert "oracle" not in torch.load(killed / "checkpoint.pt", weights_only=False)  # M₀ never enters the shareable checkpoint
