@@ -80,7 +80,7 @@ def _fake_run(root, stage, name, optimizer, test_nll, snr=0.01, gain=0.02, lr=0.
     (run / "config.yaml").write_text(f"optimizer:\n  lr: {lr}\n")
     rows = [{"step": 1, "snr_median": snr / 2}]  # a row without oracle fields is skipped
     rows += [
-        {"step": s, "snr_median": snr / 2, "oracle_snr_median": snr, "oracle_snr": {"w": snr, "v": snr},
+        {"step": s, "snr_median": snr / 2, "snr": {"w": snr / 2, "v": snr / 2}, "oracle_snr_median": snr, "oracle_snr": {"w": snr, "v": snr},
          "oracle_cos_plain": {"w": 0.5, "v": 0.5}, "oracle_cos_bc": {"w": 0.5 + gain, "v": 0.5 + gain},
          "oracle_cos_plain_median": 0.5, "oracle_cos_bc_median": 0.5 + gain}
         for s in (2, 3)
@@ -106,6 +106,8 @@ def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
     assert "2.5000 (1 seed)" in row32 and report.NOT_RUN in row32  # no DP-MuonBC run: said, not filled
     assert next(line for line in table.splitlines() if line.startswith("| probe2 |")).count("-0.1000 (1 pair)") == 1
     assert "| dp_muon | 0.003 |" in table
+    assert "| 8 | 0.50 | 0.00 |" in table  # estimates 0.01 (seed 0) and 0.02 (seed 1): half pass min_snr = 0.01
+    assert "| 32 | 0.00 | 0.00 |" in table and f"| 128 | {report.NOT_RUN} | {report.NOT_RUN} |" in table  # no run: said
     csv_rows = (tmp_path / "regime.csv").read_text().splitlines()
     assert csv_rows[1].startswith("8,2,") and csv_rows[3].startswith("128,0,,,")
     before = [p.read_bytes() for p in written]

@@ -49,6 +49,7 @@ class RegimeRun:
     epsilon_spent: float | None
     snr: list[float] = field(default_factory=list)  # per step: median true SNR over matrices
     estimated_snr: list[float] = field(default_factory=list)  # per step: the public estimate's median
+    estimated_by_matrix: list[float] = field(default_factory=list)  # per matrix and step: the public estimate
     gain: list[float] = field(default_factory=list)  # per step: median over matrices of cos_bc − cos_plain
     pairs: list[tuple[float, float]] = field(default_factory=list)  # (true SNR, gain) per matrix and step
 
@@ -76,6 +77,7 @@ def load_runs(root: Path) -> list[RegimeRun]:
             run.gain.append(statistics.median(gains.values()))
             if row.get("snr_median") is not None:
                 run.estimated_snr.append(row["snr_median"])
+            run.estimated_by_matrix.extend(v for v in (row.get("snr") or {}).values() if v is not None)
             run.pairs.extend((row["oracle_snr"][k], g) for k, g in gains.items() if math.isfinite(g))
         runs.append(run)
     return runs
@@ -141,6 +143,28 @@ def _delta_cell(deltas: list[float]) -> str:
     if len(deltas) == 1:
         return f"{deltas[0]:+.4f} (1 pair)"
     return f"{statistics.mean(deltas):+.4f} ± {statistics.stdev(deltas):.4f} ({values})"
+
+
+# The min_snr gates of the ablations: name → threshold (from their overrides).
+GATES = {name: float(o.split("=")[1]) for name, overrides in ABLATIONS.items() for o in overrides if ".min_snr=" in o}
+
+
+def gate_markdown(runs: list[RegimeRun]) -> str:
+    """How often each gate would let the correction through, per ε: the share of the DP-Muon map
+    runs' (matrix, step) pairs whose public SNR estimate exceeds the threshold."""
+    lines = [
+        "",
+        "## Where the min_snr gates open (share of the DP-Muon map runs' (matrix, step) pairs whose public SNR estimate exceeds the gate)",
+        "",
+        "| target ε | " + " | ".join(f"min_snr = {g:g}" for g in GATES.values()) + " |",
+        "|---|" + "---|" * len(GATES),
+    ]
+    for epsilon in EPSILONS:
+        found = [_find(runs, "runs", "dp_muon", epsilon, seed) for seed in SEEDS]
+        estimates = [v for run in found if run is not None for v in run.estimated_by_matrix]
+        cells = [_fmt(sum(v > g for v in estimates) / len(estimates) if estimates else None, ".2f") for g in GATES.values()]
+        lines.append(f"| {epsilon} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def regime_markdown(runs: list[RegimeRun]) -> str:
@@ -378,7 +402,7 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
     out = out or root
     written = [out / "regime.md", out / "regime.csv", out / "delta_vs_snr.png", out / "gain_vs_snr.png"]
     out.mkdir(parents=True, exist_ok=True)
-    written[0].write_text(regime_markdown(runs) + pretrained_markdown(load_pretrained(root), runs))
+    written[0].write_text(regime_markdown(runs) + gate_markdown(runs) + pretrained_markdown(load_pretrained(root), runs))
     written[1].write_text(regime_csv(runs))
     delta_figure(runs, written[2])
     gain_figure(runs, written[3])
