@@ -42,6 +42,9 @@ def test_the_map_covers_every_epsilon_optimizer_and_seed_at_the_committed_rates(
         "optimizer.lr=0.003", "optimizer.lr=0.03", "optimizer.lr=0.0009", "optimizer.lr=0.009"
     }
     assert len([j for j in jobs if j.stage == "ablations"]) == len(bc_regime.ABLATIONS) * len(bc_regime.SEEDS)
+    rules = [j for j in jobs if j.stage == "rule_check"]  # the candidate gate at every ε but the ablations' 8
+    assert sorted(j.name for j in rules) == [f"dp_muonbc_{bc_regime.RULE}_eps{e}_seed0" for e in (1024, 128, 32)]
+    assert all(set(bc_regime.ABLATIONS[bc_regime.RULE]) <= set(j.overrides) for j in rules)
     # seed-major: everything of seed 0 (map, checks, ablations) comes before anything of seed 1
     order = [j.name for j in jobs]
     assert max(i for i, n in enumerate(order) if n.endswith("seed0")) < min(i for i, n in enumerate(order) if n.endswith("seed1"))
@@ -97,6 +100,7 @@ def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
     _fake_run(tmp_path, "runs", "dp_muon_eps32_seed0", "dp_muon", 2.5)  # its pair is missing
     _fake_run(tmp_path, "ablations", "dp_muonbc_probe2_eps8_seed0", "dp_muonbc", 2.60)
     _fake_run(tmp_path, "lr_check", "dp_muon_eps1024_lr0.003_seed0", "dp_muon", 2.4, lr=0.003)
+    _fake_run(tmp_path, "rule_check", f"dp_muonbc_{bc_regime.RULE}_eps32_seed0", "dp_muonbc", 2.45)
     written = report.write_report(tmp_path)
     table = (tmp_path / "regime.md").read_text()
     row8 = next(line for line in table.splitlines() if line.startswith("| 8 |"))
@@ -106,8 +110,9 @@ def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
     assert "2.5000 (1 seed)" in row32 and report.NOT_RUN in row32  # no DP-MuonBC run: said, not filled
     assert next(line for line in table.splitlines() if line.startswith("| probe2 |")).count("-0.1000 (1 pair)") == 1
     assert "| dp_muon | 0.003 |" in table
-    assert "| 8 | 0.50 | 0.00 |" in table  # estimates 0.01 (seed 0) and 0.02 (seed 1): half pass min_snr = 0.01
-    assert "| 32 | 0.00 | 0.00 |" in table and f"| 128 | {report.NOT_RUN} | {report.NOT_RUN} |" in table  # no run: said
+    # gates: estimates 0.01 (seed 0) and 0.02 (seed 1) → half pass min_snr = 0.01; the rule's run at ε = 32 is paired
+    assert "| 8 | 0.50 | 0.00 | " + report.NOT_RUN + " |" in table
+    assert "| 32 | 0.00 | 0.00 | -0.0500 (1 pair) |" in table and f"| 128 | {report.NOT_RUN} | {report.NOT_RUN} | {report.NOT_RUN} |" in table
     csv_rows = (tmp_path / "regime.csv").read_text().splitlines()
     assert csv_rows[1].startswith("8,2,") and csv_rows[3].startswith("128,0,,,")
     before = [p.read_bytes() for p in written]

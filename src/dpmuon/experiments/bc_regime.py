@@ -9,7 +9,8 @@ each optimizer's committed finals use:
 
 - the map: DP-Muon and DP-MuonBC at ε ∈ EPSILONS (σ shrinks, the buffers' SNR rises), seeds 0-2;
 - a learning-rate check at the largest ε (LR_CHECK × the committed rate, seed 0);
-- ablations of DP-MuonBC at ε = 8: probe scale ρ/s, K probe pairs, the min_snr gate.
+- ablations of DP-MuonBC at ε = 8: probe scale ρ/s, K probe pairs, the min_snr gate;
+- the candidate rule (RULE, a gate) at the other ε (seed 0).
 
 Pairing: the runs of one seed index share a mechanism seed (the same lots and the same noise
 draws for both optimizers), drawn once from OS entropy and kept in the working directory
@@ -43,6 +44,9 @@ ABLATIONS = {  # DP-MuonBC at ε = 8: name → overrides
     "gate0.01": ("optimizer.bias_correction.min_snr=0.01",),
     "gate0.1": ("optimizer.bias_correction.min_snr=0.1",),
 }
+# The candidate rule of part 6, checked across the map (seed 0): the gate that matched DP-Muon
+# at ε = 8 (its ablation), at every other ε, where it opens more often.
+RULE = "gate0.1"
 # The pretrained regime: DP-Muon at the paper's noise multiplier (σ for ε = 8 over 10 epochs at
 # lot 1024 on E2E's N = 42,061, δ = 8e-6: `python -m dpmuon.privacy --epsilon 8 --delta 8e-6
 # --sample-rate 0.0243456 --epochs 10`) for 20 steps at two lots the CPU allows, for the local
@@ -92,6 +96,10 @@ def jobs(rates: dict[str, float], mechanism_seed) -> list[Job]:
                     out.append(Job(f"{opt}_eps{top}_lr{lr:g}_seed0", "lr_check", run_overrides(opt, lr, top, 0), secret))
         for name, extra in ABLATIONS.items():
             out.append(Job(f"dp_muonbc_{name}_eps8_seed{seed}", "ablations", run_overrides("dp_muonbc", rates["dp_muonbc"], 8, seed) + extra, secret))
+        if seed == 0:
+            for epsilon in reversed(EPSILONS[1:]):  # where the gate opens most first
+                overrides = run_overrides("dp_muonbc", rates["dp_muonbc"], epsilon, 0) + ABLATIONS[RULE]
+                out.append(Job(f"dp_muonbc_{RULE}_eps{epsilon}_seed0", "rule_check", overrides, secret))
     return out
 
 

@@ -28,7 +28,7 @@ from matplotlib.ticker import NullFormatter
 
 from ..eval.runs import Run
 from ..paths import REPO_ROOT
-from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, SEEDS
+from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, RULE, SEEDS
 
 NOT_RUN = "not run yet"
 _PNG_METADATA = {"Software": None}  # no matplotlib version stamp: reproducible files
@@ -150,20 +150,30 @@ GATES = {name: float(o.split("=")[1]) for name, overrides in ABLATIONS.items() f
 
 
 def gate_markdown(runs: list[RegimeRun]) -> str:
-    """How often each gate would let the correction through, per ε: the share of the DP-Muon map
-    runs' (matrix, step) pairs whose public SNR estimate exceeds the threshold."""
+    """How often each gate lets the correction through, per ε (the share of the DP-Muon map runs'
+    (matrix, step) pairs whose public SNR estimate exceeds it), and what the candidate rule's
+    gate does to test NLL there (paired Δ against DP-Muon)."""
     lines = [
         "",
-        "## Where the min_snr gates open (share of the DP-Muon map runs' (matrix, step) pairs whose public SNR estimate exceeds the gate)",
+        "## Where the min_snr gates open, and the candidate rule across the map",
         "",
-        "| target ε | " + " | ".join(f"min_snr = {g:g}" for g in GATES.values()) + " |",
-        "|---|" + "---|" * len(GATES),
+        "Share of the DP-Muon map runs' (matrix, step) pairs whose public SNR estimate exceeds the gate; "
+        f"Δ: DP-MuonBC with `{' '.join(ABLATIONS[RULE])}` ({RULE}) − DP-Muon, paired by seed.",
+        "",
+        "| target ε | " + " | ".join(f"opens at min_snr = {g:g}" for g in GATES.values()) + f" | {RULE}: paired Δ NLL |",
+        "|---|" + "---|" * (len(GATES) + 1),
     ]
     for epsilon in EPSILONS:
         found = [_find(runs, "runs", "dp_muon", epsilon, seed) for seed in SEEDS]
         estimates = [v for run in found if run is not None for v in run.estimated_by_matrix]
         cells = [_fmt(sum(v > g for v in estimates) / len(estimates) if estimates else None, ".2f") for g in GATES.values()]
-        lines.append(f"| {epsilon} | " + " | ".join(cells) + " |")
+        stage = "ablations" if epsilon == 8 else "rule_check"
+        deltas = []
+        for seed, base in zip(SEEDS, found):
+            rule = _find(runs, stage, "dp_muonbc", epsilon, seed, RULE)
+            if rule is not None and base is not None and None not in (rule.test_nll, base.test_nll):
+                deltas.append(rule.test_nll - base.test_nll)
+        lines.append(f"| {epsilon} | " + " | ".join(cells) + f" | {_delta_cell(deltas)} |")
     return "\n".join(lines) + "\n"
 
 
