@@ -142,6 +142,22 @@ def test_a_noiseless_ledger_line_makes_the_run_non_private(tmp_path: Path, capsy
     assert study(capsys, run)["epsilon_total"] == "inf"
 
 
+def test_user_seeded_runs_are_listed_and_two_of_them_are_warned_about(tmp_path: Path, capsys):
+    from dpmuon.privacy.randomness import OS_ENTROPY, USER_SEED
+
+    paired = [write_summary(tmp_path / name, mechanism_randomness=USER_SEED) for name in ("muon", "muonbc")]
+    write_summary(tmp_path / "own_noise", mechanism_randomness=OS_ENTROPY)
+    assert main([str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["user_seeded_runs"] == [str(run) for run in paired]
+    assert any("2 private runs" in w and "no finite ε" in w for w in report["warnings"])
+    assert "WARNING" in captured.err and "mechanism_seed" in captured.err
+    # one user-seeded run cannot share its noise with another run of the study: no warning
+    report = study(capsys, paired[0], tmp_path / "own_noise")
+    assert report["user_seeded_runs"] == [str(paired[0])] and report["warnings"] == []
+
+
 def test_delta_override_and_disagreeing_deltas(tmp_path: Path, capsys):
     a = write_ledger(tmp_path / "a", releases(1.0, 0.01, 10), delta=1e-5)
     b = write_ledger(tmp_path / "b", releases(1.0, 0.01, 10), delta=1e-6)

@@ -21,6 +21,13 @@ A non-private run (no noise) on a group's data gives the group no guarantee at a
 `epsilon_total` is "inf" (a string: strict JSON has no infinity, and null could pass for
 "unknown"), the run is listed under `non_private_runs` with a warning on stderr, and
 `epsilon_total_private_runs` still reports what the DP runs alone compose to.
+
+Composition assumes the runs' noise was independent. A run seeded by the user
+(`privacy.mechanism_seed`, `"mechanism_randomness"` in its summary) shares its lots and noise
+with every run given the same seed: subtracting two such releases cancels the noise, and no
+finite ε covers those runs together. Summaries never record the seed, so the study cannot tell
+which runs shared one: it lists them under `user_seeded_runs` and warns when two or more
+private runs of a group were user-seeded.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any
 from .accountant import PrivacyAccountant
 from .ledger import FORMAT as LEDGER_FORMAT
 from .ledger import LEDGER_FILE
+from .randomness import USER_SEED
 
 SUMMARY_FILE = "summary.json"
 FROM_LEDGER = LEDGER_FILE
@@ -81,6 +89,7 @@ class RunRecord:
     uncharged: int  # replays identical to an earlier release: free
     source: str  # FROM_LEDGER or RECONSTRUCTED
     optimizer: str | None = None
+    user_seeded: bool = False  # lots and noise from privacy.mechanism_seed: maybe shared with other runs
 
     @property
     def charged(self) -> int:
@@ -168,6 +177,7 @@ def from_summary(path: Path, summary: dict[str, Any]) -> RunRecord:
         uncharged=0,
         source=RECONSTRUCTED,
         optimizer=summary.get("optimizer"),
+        user_seeded=summary.get("mechanism_randomness") == USER_SEED,
     )
 
 
@@ -199,6 +209,7 @@ def _from_ledger(path: Path, summary: dict[str, Any] | None) -> RunRecord:
         uncharged=uncharged,
         source=FROM_LEDGER,
         optimizer=(summary or {}).get("optimizer"),
+        user_seeded=(summary or {}).get("mechanism_randomness") == USER_SEED,
     )
 
 
@@ -289,6 +300,10 @@ class StudyGroup:
     def non_private_runs(self) -> list[RunRecord]:
         return [run for run in self.runs if not run.private]
 
+    @property
+    def user_seeded_runs(self) -> list[RunRecord]:
+        return [run for run in self.private_runs if run.user_seeded]
+
     def delta(self, override: float | None) -> float | None:
         """--delta, else the δ every private run recorded (they must agree)."""
         if override is not None:
@@ -321,6 +336,7 @@ class StudyGroup:
             "epsilon_total_private_runs": _json_epsilon(private_total),
             "non_private_runs": [str(run.path) for run in self.non_private_runs],
             "runs_without_fingerprint": [str(run.path) for run in self.assumed],
+            "user_seeded_runs": [str(run.path) for run in self.user_seeded_runs],
             "warnings": self.warnings(),
         }
 
@@ -336,6 +352,13 @@ class StudyGroup:
             notes.append(
                 f"{len(self.assumed)} run(s) record no data fingerprint and are counted as if they "
                 f"trained on {self.label()}"
+            )
+        if len(self.user_seeded_runs) > 1:
+            notes.append(
+                f"{len(self.user_seeded_runs)} private runs on {self.label()} drew their lots and noise from a "
+                "user-supplied privacy.mechanism_seed: epsilon_total assumes every one of those seeds was distinct "
+                "and secret. Runs that shared a seed (a paired comparison) reused one noise draw, and no finite ε "
+                "covers them together"
             )
         return notes
 
