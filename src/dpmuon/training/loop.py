@@ -230,10 +230,11 @@ def resume(t: Training) -> None:
         rng_restore(state["rng"], t.generators)
         t.start_step, t.train_seconds, logger_id = state["step"], state.get("train_seconds", 0.0), state.get("logger_id")
     t.last_step = t.start_step
+    saved = None
     if t.private:
-        restore_mechanism(t.randomness, t.sampler, t.release, t.mechanism_state_path, t.start_step, t.ledger, t.parallel)
+        saved = restore_mechanism(t.randomness, t.sampler, t.release, t.mechanism_state_path, t.start_step, t.ledger, t.parallel)
     if t.oracle is not None and t.start_step > 0:
-        restore_oracle(t)
+        restore_oracle(t.oracle, saved, t.start_step)
     if state is not None or (t.ledger is not None and t.ledger.releases):
         spent = t.release.accountant.epsilon()
         log(f"resumed from step {t.start_step} of {t.plan.steps}" + (f", ε so far {spent:.4f} (from the ledger)" if t.private else ""))
@@ -256,12 +257,12 @@ def save_mechanism(t: Training, step: int) -> None:
     save_mechanism_state(t.mechanism_state_path, step, state)
 
 
-def restore_oracle(t: Training) -> None:
-    saved = load_mechanism_state(t.mechanism_state_path, t.start_step)
+def restore_oracle(oracle: OracleAlignment, saved: dict | None, step: int) -> None:
+    """The noise-free mirrors from the mechanism state restored at `step` (None: none was)."""
     if saved is not None and "oracle" in saved:
-        t.oracle.load_state_dict(saved["oracle"])
+        oracle.load_state_dict(saved["oracle"])
     else:
-        log(f"no oracle mirrors saved at step {t.start_step}: they restart from zero (rows from here on see only the steps since)")
+        log(f"no oracle mirrors saved at step {step}: they restart from zero (rows from here on see only the steps since)")
 
 
 def checkpoint(t: Training, step: int) -> None:
@@ -558,8 +559,9 @@ def share_rank0_randomness(randomness: MechanismRandomness, parallel: DataParall
         randomness.load_state_dict(parallel.broadcast_object(randomness.state_dict() if parallel.is_main else None))
 
 
-def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledger, parallel: DataParallel) -> None:
-    """Continue the mechanism's secret draws from `step`, or start fresh ones if they are gone.
+def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledger, parallel: DataParallel) -> dict | None:
+    """Continue the mechanism's secret draws from `step`, or start fresh ones if they are gone;
+    return the saved state restored (None: there was none).
 
     With the saved state, re-run steps replay their lots and noise (an identical output is
     free). Without it, nothing may be replayed: new secret draws, and every re-run step is a
@@ -571,7 +573,7 @@ def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledge
     if saved is not None:
         randomness.load_state_dict(saved["randomness"])
         sampler.load_state_dict(saved["sampler"])
-        return
+        return saved
     resuming = step > 0 or (ledger is not None and ledger.releases)
     if resuming:
         if not randomness.secure:
@@ -579,6 +581,7 @@ def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledge
         randomness.reseed_from_os_entropy()
         share_rank0_randomness(randomness, parallel)
         release.noise_may_repeat = False
+    return None
 
 
 def build_oracle(cfg: DictConfig, muon, names: dict, release, parallel: DataParallel) -> OracleAlignment | None:
