@@ -37,9 +37,30 @@ def resolve_run(cfg: DictConfig) -> tuple[DictConfig, Path]:
         raise UserError(f"{run_dir} already finished (summary.json exists); nothing to resume")
     if not stored.exists():
         raise UserError(f"cannot resume {run_dir}: {stored} not found (is this a dpmuon run directory?)")
+    if given_mechanism_seed(run_dir):
+        from .training.mechanism_state import has_saved_state
+
+        if not has_saved_state(run_dir):
+            raise UserError(
+                f"cannot resume {run_dir}: it was started with privacy.mechanism_seed, whose value is never stored, "
+                "and it stopped before saving the mechanism state that carries it on, so a resume would silently "
+                "draw other lots and noise. Start it again with its original command, seed included"
+            )
     resumed = OmegaConf.load(stored)
     resumed.resume = str(run_dir)
     return resumed, run_dir
+
+
+def given_mechanism_seed(run_dir: Path) -> bool:
+    """Whether the run's recorded overrides set privacy.mechanism_seed (to a value, now redacted)."""
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    if not overrides.exists():
+        return False
+    for override in OmegaConf.load(overrides):
+        key, _, value = str(override).partition("=")
+        if key.lstrip("+~").endswith(f"privacy.{SECRET_KEY}") and value.strip() not in ("null", "None", ""):
+            return True
+    return False
 
 
 def protect_mechanism_seed(cfg: DictConfig) -> None:

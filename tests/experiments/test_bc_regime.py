@@ -153,3 +153,27 @@ def test_a_jobs_mechanism_seed_reaches_the_run_through_its_environment_not_its_c
     cfg = compose_config(*[arg for arg in seen["cmd"] if arg.startswith("privacy.")])
     validate(cfg)  # the interpolation resolves to an integer seed
     assert cfg.privacy.mechanism_seed == 918273645
+
+
+def test_a_run_that_stopped_before_saving_state_starts_again_with_its_seed_and_a_started_one_resumes(tmp_path, monkeypatch):
+    """A run that failed in setup has only its (seed-scrubbed) Hydra config: resuming it would
+    silently draw OS entropy and break the pairing, so it is started again from its command."""
+    seen = []
+
+    def capture(cmd, env, **kwargs):
+        seen.append((cmd, env))
+        return type("Done", (), {"returncode": 1})()
+
+    monkeypatch.setattr(jobs_module.subprocess, "run", capture)
+    job = Job("a", "runs", ("seed=0",), mechanism_seed=918273645)
+    run_dir = tmp_path / "work" / "runs" / "a"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("privacy:\n  mechanism_seed: null\n")
+    for saved in (None, "mechanism_state.pt", "checkpoint.pt"):
+        if saved:
+            (run_dir / saved).write_bytes(b"")
+        with pytest.raises(SystemExit):
+            run_job(job, tmp_path / "work", tmp_path / "results", threads=1)
+    (fresh, fresh_env), (after_state, _), (after_checkpoint, _) = seen
+    assert "seed=0" in fresh and jobs_module.SEED_FROM_ENV in fresh and fresh_env[jobs_module.MECHANISM_SEED_ENV] == "918273645"
+    assert any(arg.startswith("resume=") for arg in after_state) and any(arg.startswith("resume=") for arg in after_checkpoint)

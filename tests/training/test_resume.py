@@ -122,6 +122,21 @@ def test_finished_run_cannot_be_resumed(reference):
     assert done.returncode == 2 and "already finished" in done.stderr
 
 
+def test_a_seeded_run_that_stopped_in_setup_is_not_resumed_with_other_randomness(tmp_path, monkeypatch):
+    """The seed is scrubbed from the stored config and no mechanism state carries it on yet: a
+    resume would silently draw OS entropy (an unpaired run labelled as the paired one)."""
+    monkeypatch.setenv("DPMUON_DATA_DIR", str(tmp_path / "no-data"))  # setup fails: no train file
+    failed = launch(tmp_path / "run", *SEEDED)
+    assert failed.wait(timeout=120) == 2 and "no e2e train file" in failed.stderr.read()
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+    done = resume(tmp_path / "run")
+    assert done.returncode == 2 and "privacy.mechanism_seed" in done.stderr and "original command" in done.stderr
+    unseeded = launch(tmp_path / "unseeded")
+    assert unseeded.wait(timeout=120) == 2
+    resumed = resume(tmp_path / "unseeded")  # gets past the check to setup (OS entropy, as it would have drawn)
+    assert "original command" not in resumed.stderr and "no e2e train file" in resumed.stderr
+
+
 def test_resume_refuses_a_changed_mechanism():
     kwargs = dict(private=True, dataset_size=1000, expected_lot_size=50, epochs=None, steps=20, target_epsilon=8.0, delta=1e-5, accountant="prv")
     stored = make_plan(**kwargs, noise_multiplier=1.0).as_dict()

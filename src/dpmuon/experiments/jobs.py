@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import REPO_ROOT
+from ..training.mechanism_state import has_saved_state
 
 REPO = REPO_ROOT
 # Published per run: the record, without checkpoints or mechanism state.
@@ -53,7 +54,9 @@ def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
         return published
     try:
         env = dict(os.environ)
-        if (run_dir / ".hydra" / "config.yaml").exists():  # the mechanism resumes from its saved state
+        # A run stopped before saving state starts again from its command: that carries the
+        # mechanism seed, which its scrubbed config cannot give a resume.
+        if has_saved_state(run_dir):
             cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume"]
         else:
             cmd = [

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import CHECKPOINT_FILE
 from .run_files import atomic_write
 
 MECHANISM_STATE_FILE = "mechanism_state.pt"
@@ -39,6 +40,15 @@ def save_mechanism_state(path: Path, step: int, state: dict[str, Any]) -> None:
 def load_mechanism_state(path: Path, step: int) -> dict[str, Any] | None:
     """The state saved at `step`, or None when there is none (file missing or other steps)."""
     return _read(path).get(int(step))
+
+
+def has_saved_state(run_dir: Path) -> bool:
+    """Whether the run saved anything a resume continues from: its mechanism state or a checkpoint.
+
+    A run given `privacy.mechanism_seed` that has neither stopped during setup; its stored
+    config holds no seed (scrubbed), so only its original command can start it with that seed.
+    """
+    return any((Path(run_dir) / name).exists() for name in (MECHANISM_STATE_FILE, CHECKPOINT_FILE))
 
 
 def _read(path: Path) -> dict[int, dict[str, Any]]:
