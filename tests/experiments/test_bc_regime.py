@@ -11,6 +11,7 @@ import pytest
 from dpmuon.experiments import bc_regime
 from dpmuon.experiments import jobs as jobs_module
 from dpmuon.experiments.jobs import Job, run_job
+from dpmuon.privacy.randomness import OS_ENTROPY, USER_SEED
 
 RATES = {"dp_muon": 0.01, "dp_muonbc": 0.003}
 
@@ -76,10 +77,11 @@ def test_a_job_held_by_a_live_runner_is_skipped_and_a_dead_runners_lock_is_taken
     assert len(calls) == 1 and (published / "summary.json").exists() and not (run_dir / "runner.lock").exists()
 
 
-def _fake_run(root, stage, name, optimizer, test_nll, snr=0.01, gain=0.02, lr=0.01):
+def _fake_run(root, stage, name, optimizer, test_nll, snr=0.01, gain=0.02, lr=0.01, randomness=USER_SEED):
     run = root / stage / name
     run.mkdir(parents=True)
-    (run / "summary.json").write_text(json.dumps({"optimizer": optimizer, "test_nll": test_nll, "val_nll": test_nll - 0.1, "epsilon": 7.99}))
+    summary = {"optimizer": optimizer, "test_nll": test_nll, "val_nll": test_nll - 0.1, "epsilon": 7.99, "mechanism_randomness": randomness}
+    (run / "summary.json").write_text(json.dumps(summary))
     (run / "config.yaml").write_text(f"optimizer:\n  lr: {lr}\n")
     rows = [{"step": 1, "snr_median": snr / 2}]  # a row without oracle fields is skipped
     rows += [
@@ -118,6 +120,15 @@ def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
     before = [p.read_bytes() for p in written]
     report.write_report(tmp_path)
     assert [p.read_bytes() for p in written] == before  # tables and figures regenerate byte for byte
+
+
+def test_the_report_refuses_a_run_that_did_not_draw_the_shared_seed(tmp_path):
+    from dpmuon.experiments import bc_regime_report as report
+
+    _fake_run(tmp_path, "runs", "dp_muon_eps8_seed0", "dp_muon", 2.70)
+    _fake_run(tmp_path, "runs", "dp_muonbc_eps8_seed0", "dp_muonbc", 2.80, randomness=OS_ENTROPY)  # e.g. resumed without its seed
+    with pytest.raises(ValueError, match="dp_muonbc_eps8_seed0.*os entropy.*run it again"):
+        report.write_report(tmp_path)
 
 
 def test_snr_extrapolation_recovers_mean_and_variance_from_two_lots():

@@ -28,6 +28,7 @@ from matplotlib.ticker import NullFormatter
 
 from ..eval.runs import Run
 from ..paths import REPO_ROOT
+from ..privacy.randomness import USER_SEED
 from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, RULE, SEEDS
 
 NOT_RUN = "not run yet"
@@ -63,6 +64,11 @@ def load_runs(root: Path) -> list[RegimeRun]:
             continue
         record = Run(run_dir, json.loads(summary_path.read_text()))
         summary = record.summary
+        if summary.get("mechanism_randomness") != USER_SEED:  # its Δ against the seed's other runs would not be paired
+            raise ValueError(
+                f"{run_dir}: mechanism_randomness is {summary.get('mechanism_randomness')!r}, not the sweep's shared seed "
+                f"({USER_SEED!r}): it drew other lots and noise than the runs of seed {match['seed']}; remove it and run it again"
+            )
         run = RegimeRun(
             run_dir.name, run_dir.parent.name, match["opt"], match["variant"], int(match["eps"]),
             record.learning_rates["lr"], int(match["seed"]),
