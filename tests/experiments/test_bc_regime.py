@@ -115,6 +115,8 @@ def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
     # gates: estimates 0.01 (seed 0) and 0.02 (seed 1) → half pass min_snr = 0.01; the rule's run at ε = 32 is paired
     assert "| 8 | 0.50 | 0.00 | " + report.NOT_RUN + " |" in table
     assert "| 32 | 0.00 | 0.00 | -0.0500 (1 pair) |" in table and f"| 128 | {report.NOT_RUN} | {report.NOT_RUN} | {report.NOT_RUN} |" in table
+    # gain per (matrix, step) of the DP-Muon map runs: 3 runs × 2 steps × 2 matrices, all +0.02
+    assert "| 0.0316–0.1 | 4 | +0.0200 |" in table and "positive gain: 12 of 12" in table
     csv_rows = (tmp_path / "regime.csv").read_text().splitlines()
     assert csv_rows[1].startswith("8,2,") and csv_rows[3].startswith("128,0,,,")
     before = [p.read_bytes() for p in written]
