@@ -56,7 +56,8 @@ def given_mechanism_seed(run_dir: Path) -> bool:
     overrides = run_dir / ".hydra" / "overrides.yaml"
     if not overrides.exists():
         return False
-    for override in OmegaConf.load(overrides):
+    # Unresolved: the value may be an interpolation of a variable this process does not have.
+    for override in OmegaConf.to_container(OmegaConf.load(overrides), resolve=False):
         key, _, value = str(override).partition("=")
         if key.lstrip("+~").endswith(f"privacy.{SECRET_KEY}") and value.strip() not in ("null", "None", ""):
             return True

@@ -16,7 +16,7 @@ from helpers_train import compose_config, require_real_data
 
 from dpmuon.privacy import MechanismRandomness, PoissonLotSampler, build_lot_sampler
 from dpmuon.privacy.randomness import OS_ENTROPY, SECURE, USER_SEED
-from dpmuon.train import jobs_per_mechanism_seed
+from dpmuon.train import given_mechanism_seed, jobs_per_mechanism_seed
 from dpmuon.training.loop import run
 
 TINY = [
@@ -134,3 +134,19 @@ def test_jobs_per_mechanism_seed_counts_the_sweep(tmp_path):
     assert jobs_per_mechanism_seed(["optimizer=a,b", "privacy.mechanism_seed=1"], missing) == 2
     assert jobs_per_mechanism_seed(["optimizer=a,b", "privacy.mechanism_seed=1,2"], missing) == 2  # paired by design
     assert jobs_per_mechanism_seed(["seed=0", "privacy.mechanism_seed=1,2,3"], missing) == 1
+
+
+@pytest.mark.parametrize(
+    "override, given",
+    [
+        ("privacy.mechanism_seed=redacted", True),  # a literal seed, as the driver scrubs it
+        ("privacy.mechanism_seed='${oc.decode:${oc.env:DPMUON_UNSET_FOR_THIS_TEST}}'", True),  # the job runner's: never resolved here
+        ("privacy.mechanism_seed=null", False),
+        ("seed=3", False),
+    ],
+)
+def test_a_recorded_mechanism_seed_override_is_recognised_without_resolving_it(tmp_path, monkeypatch, override, given):
+    monkeypatch.delenv("DPMUON_UNSET_FOR_THIS_TEST", raising=False)
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(f"- experiment=smoke\n- {json.dumps(override)}\n")
+    assert given_mechanism_seed(tmp_path) is given
