@@ -44,7 +44,7 @@ ABLATIONS = {  # DP-MuonBC at ε = 8: name → overrides
     "gate0.01": ("optimizer.bias_correction.min_snr=0.01",),
     "gate0.1": ("optimizer.bias_correction.min_snr=0.1",),
 }
-# The candidate rule of part 6, checked across the map (seed 0): the gate that matched DP-Muon
+# The candidate rule, checked across the map (seed 0): the gate that matched DP-Muon
 # at ε = 8 (its ablation), at every other ε, where it opens more often.
 RULE = "gate0.1"
 # The pretrained regime: DP-Muon at the paper's noise multiplier (σ for ε = 8 over 10 epochs at

@@ -105,6 +105,13 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
+def _paired_delta(bc: RegimeRun | None, muon: RegimeRun | None) -> float | None:
+    """DP-MuonBC − DP-Muon test NLL of one seed's pair; None unless both runs have one."""
+    if bc is None or muon is None or None in (bc.test_nll, muon.test_nll):
+        return None
+    return bc.test_nll - muon.test_nll
+
+
 def _find(runs: list[RegimeRun], stage: str, optimizer: str, epsilon: int, seed: int, variant: str | None = None):
     for run in runs:
         if (run.stage, run.optimizer, run.epsilon, run.seed, run.variant) == (stage, optimizer, epsilon, seed, variant):
@@ -136,8 +143,8 @@ def map_rows(runs: list[RegimeRun]) -> list[MapRow]:
                 gain += a.gain
             if b is not None and b.test_nll is not None:
                 bc.append(b.test_nll)
-            if a is not None and b is not None and a.test_nll is not None and b.test_nll is not None:
-                deltas.append(b.test_nll - a.test_nll)
+            if (delta := _paired_delta(b, a)) is not None:
+                deltas.append(delta)
         rows.append(MapRow(epsilon, muon, bc, deltas, _median(snr), _median(estimated), _median(gain)))
     return rows
 
@@ -176,9 +183,8 @@ def gate_markdown(runs: list[RegimeRun]) -> str:
         stage = "ablations" if epsilon == 8 else "rule_check"
         deltas = []
         for seed, base in zip(SEEDS, found):
-            rule = _find(runs, stage, "dp_muonbc", epsilon, seed, RULE)
-            if rule is not None and base is not None and None not in (rule.test_nll, base.test_nll):
-                deltas.append(rule.test_nll - base.test_nll)
+            if (delta := _paired_delta(_find(runs, stage, "dp_muonbc", epsilon, seed, RULE), base)) is not None:
+                deltas.append(delta)
         lines.append(f"| {epsilon} | " + " | ".join(cells) + f" | {_delta_cell(deltas)} |")
     return "\n".join(lines) + "\n"
 
@@ -233,8 +239,8 @@ def regime_markdown(runs: list[RegimeRun]) -> str:
                 continue
             nll.append(run.test_nll)
             gains += run.gain
-            if base is not None and base.test_nll is not None:
-                deltas.append(run.test_nll - base.test_nll)
+            if (delta := _paired_delta(run, base)) is not None:
+                deltas.append(delta)
         shown = " ".join(f"`{o}`" for o in overrides) or "–"
         lines.append(f"| {name} | {shown} | {_mean_sd(nll)} | {_delta_cell(deltas)} | {_fmt(_median(gains), '+.4f')} |")
     return "\n".join(lines) + "\n"
@@ -363,16 +369,16 @@ def delta_figure(runs: list[RegimeRun], path: Path) -> None:
         points = []
         for seed in SEEDS:
             a, b = _find(runs, "runs", "dp_muon", epsilon, seed), _find(runs, "runs", "dp_muonbc", epsilon, seed)
-            if a and b and a.test_nll is not None and b.test_nll is not None and a.snr:
-                points.append((statistics.median(a.snr), b.test_nll - a.test_nll))
+            if (delta := _paired_delta(b, a)) is not None and a.snr:
+                points.append((statistics.median(a.snr), delta))
         if points:
             ax.scatter(*zip(*points), label=f"ε = {epsilon}", s=28)
     for name in ABLATIONS:
         points = []
         for seed in SEEDS:
             a, b = _find(runs, "runs", "dp_muon", 8, seed), _find(runs, "ablations", "dp_muonbc", 8, seed, name)
-            if a and b and a.test_nll is not None and b.test_nll is not None and a.snr:
-                points.append((statistics.median(a.snr), b.test_nll - a.test_nll))
+            if (delta := _paired_delta(b, a)) is not None and a.snr:
+                points.append((statistics.median(a.snr), delta))
         if points:
             ax.scatter(*zip(*points), label=f"ε = 8, {name}", marker="x", s=28)
     ax.axhline(0.0, color="black", linewidth=0.8)
