@@ -57,11 +57,9 @@ def given_mechanism_seed(run_dir: Path) -> bool:
     if not overrides.exists():
         return False
     # Unresolved: the value may be an interpolation of a variable this process does not have.
-    for override in OmegaConf.to_container(OmegaConf.load(overrides), resolve=False):
-        key, _, value = str(override).partition("=")
-        if key.lstrip("+~").endswith(f"privacy.{SECRET_KEY}") and value.strip() not in ("null", "None", ""):
-            return True
-    return False
+    recorded = OmegaConf.to_container(OmegaConf.load(overrides), resolve=False)
+    parsed = OverridesParser.create().parse_overrides([str(o) for o in recorded])
+    return any(o.key_or_group.endswith(SECRET_KEY) and o.value() is not None for o in parsed)
 
 
 def protect_mechanism_seed(cfg: DictConfig) -> None:
