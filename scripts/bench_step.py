@@ -22,7 +22,6 @@ peak RSS of that process above its footprint before the model was built (labelle
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from dpmuon.config import compose_config
 from dpmuon.config.roster import optimizer_roster
 from dpmuon.data import EncodedExample, load_tokenizer
+from dpmuon.jsontext import to_json
 from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
@@ -100,13 +100,13 @@ class Config:
     @property
     def overrides(self) -> list[str]:
         """The driver's Hydra overrides for this configuration: conf/optimizer/<optimizer>.yaml and,
-        if private, conf/privacy/<clip_mode>.yaml with the engine, the bench's fixed σ and a fixed
-        mechanism seed (the same noise every run; nothing here is a real release)."""
+        if private, conf/privacy/<clip_mode>.yaml with the engine and the bench's fixed σ (noise is
+        drawn as in a real run; nothing here is a real release, and its values do not affect time)."""
         if not self.private:
             return [f"optimizer={self.optimizer}"]
         return [
             f"optimizer={self.optimizer}", f"privacy={self.clip_mode}", f"privacy.engine={self.engine}",
-            f"privacy.noise_multiplier={NOISE_MULTIPLIER}", "privacy.mechanism_seed=0",
+            f"privacy.noise_multiplier={NOISE_MULTIPLIER}",
         ]
 
 
@@ -196,7 +196,7 @@ class Runner:
         self.model = build_bench_model(model_name).to(device).train()
         matrices = hidden_matrices(self.model)
         named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        randomness = mechanism_randomness(cfg, device, SINGLE)
+        randomness = mechanism_randomness(cfg, SINGLE)
         noise = GaussianNoise(randomness.noise, secure=randomness.secure)
         # No ledger: nothing here is a real release. The release is build_release's last value
         # (the partition etc. before it are the trainer's bookkeeping).
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
             "settings": settings, "threads": torch.get_num_threads(), "memory": memory_label, "torch": torch.__version__,
             "git_commit": code_version(), "command": " ".join(["python", "scripts/bench_step.py", *sys.argv[1:]]),
         }
-        args.json.write_text(json.dumps({**meta, "rows": rows, "phases": {c.label: p for c, p in phases.items()}}, indent=2))
+        args.json.write_text(to_json({**meta, "rows": rows, "phases": {c.label: p for c, p in phases.items()}}, indent=2))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import seed_file_override
+
+from dpmuon.eval.runs import read_run_rows
 
 OVERRIDES = [
     "experiment=smoke", "optimizer=dp_muonbc", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
@@ -21,7 +24,7 @@ OVERRIDES = [
     "trainer.eval_every=3", "trainer.checkpoint_every=4", "eval.num_beams=1", "eval.max_new_tokens=4",
     "logging.progress=false", "logger=none", "trainer.num_threads=1",
 ]  # fmt: skip
-SEEDED = ["privacy.mechanism_seed=11"]
+SEEDED = [seed_file_override(11 << 100)]  # the resumed run reads the file its stored config names
 TIMING = {"step_seconds"}
 BEFORE_FIRST_CHECKPOINT, BETWEEN_CHECKPOINTS = 1, 5
 
@@ -54,7 +57,10 @@ def kill_after(run_dir: Path, step: int, *extra: str) -> list[dict]:
 
 
 def rows(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The training steps' rows (not step 0's: the validation NLL of the initial weights), each
+    with its step's owner-only diagnostics (train loss, lot size, ...)."""
+    logged = read_run_rows(run_dir, diagnostics=True)
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in logged if row["step"] > 0]
 
 
 def ledger(run_dir: Path) -> list[dict]:
@@ -64,7 +70,7 @@ def ledger(run_dir: Path) -> list[dict]:
 
 def resume(run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume-launch"], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}"], capture_output=True, text=True, timeout=600
     )
 
 

@@ -4,6 +4,7 @@ real-data switch (skip locally, fail under CI)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,15 @@ from dpmuon.train import CONFIG_DIR
 # The options of the config groups the tests combine, and every experiment (None: no experiment).
 GROUPS = {name: sorted(p.stem for p in (Path(CONFIG_DIR) / name).glob("*.yaml")) for name in ("optimizer", "dataset", "model", "privacy", "logger")}
 EXPERIMENTS = [None] + sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
+
+
+def seed_file_override(seed: int) -> str:
+    """`privacy.mechanism_seed_file=<an owner-only file holding seed>`: how a run takes a fixed
+    mechanism seed from an override (never the seed itself on the command line)."""
+    path = Path(tempfile.mkdtemp(prefix="dpmuon-test-seed-")) / "mechanism_seed"
+    path.write_text(f"{seed}\n")
+    path.chmod(0o600)
+    return f"privacy.mechanism_seed_file={path}"
 
 
 def require_real_data() -> None:

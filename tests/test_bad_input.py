@@ -8,10 +8,13 @@ import sys
 import pytest
 from helpers_train import compose_config, require_real_data
 
-from dpmuon.config.schema import ConfigError, blamed_on, validate
-from dpmuon.data import DataError
+from dpmuon.config.schema import ConfigError, blamed_on, one_line, validate
+from dpmuon.data import DataError, load_tokenizer
 from dpmuon.errors import UserError
+from dpmuon.training import loop
 from dpmuon.training.loop import run
+from dpmuon.training.plan import plan_length
+from dpmuon.training.secret import MECHANISM_SEED_ENV, user_mechanism_secret
 
 SMALL = [
     "experiment=smoke",
@@ -72,7 +75,7 @@ def test_missing_split_says_what_to_run(tmp_path):
     "override,message",
     [
         ("privacy.delta=0.02", r"delta=0.02 must be in \(0, 1/N\)"),
-        ("privacy.expected_lot_size=500", r"expected lot size 500 must be in \[1, N=100\]"),
+        ("privacy.expected_lot_size=500", r"^privacy.expected_lot_size=500: .*valid: an integer in \[1, 100\]"),
         ("privacy.noise_multiplier=0.3", "over by"),
     ],
 )
@@ -125,10 +128,12 @@ def test_the_default_config_and_every_experiment_validate():
         validate(compose_config(f"experiment={experiment}"))
 
 
-def test_mechanism_seed_value_is_never_printed():
-    with pytest.raises(ConfigError) as caught:
-        validate(compose_config("privacy.mechanism_seed=s3cr3t"))
-    assert "s3cr3t" not in str(caught.value) and str(caught.value).startswith("privacy.mechanism_seed=<hidden>: not an integer")
+@pytest.mark.parametrize("value, problem", [("s3cr3t", "not an integer"), ("-12345", "negative")])
+def test_a_bad_mechanism_seed_is_refused_without_printing_it(monkeypatch, value, problem):
+    monkeypatch.setenv(MECHANISM_SEED_ENV, value)
+    with pytest.raises(UserError) as caught:
+        user_mechanism_secret(compose_config())
+    assert value not in str(caught.value) and str(caught.value).startswith(f"{MECHANISM_SEED_ENV}: the mechanism seed is {problem}")
 
 
 def test_library_errors_from_a_configured_value_name_the_key():
@@ -156,3 +161,32 @@ def test_cli_unknown_optimizer_lists_the_valid_ones(tmp_path):
     assert out.returncode != 0 and "Traceback" not in out.stderr
     for name in ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc"):
         assert name in out.stderr
+
+
+def test_a_lot_larger_than_the_training_set_names_the_key():
+    # N is known only once the data is read (long sequences are dropped): checked before the model
+    with pytest.raises(ConfigError, match=r"^privacy.expected_lot_size=20: not in \[1, N=10\] .*valid: an integer in \[1, 10\]$"):
+        plan_length(10, 20, None, 5)
+
+
+def test_an_empty_tokenizer_folder_is_named_as_such(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^model.tokenizer={tmp_path}: the local directory {tmp_path} is empty; valid: "):
+        with blamed_on("model.tokenizer", str(tmp_path)):
+            load_tokenizer(str(tmp_path), None)
+
+
+def test_a_library_message_announcing_a_list_keeps_the_list():
+    message = "Couldn't instantiate the backend tokenizer from one of: \n(1) a serialization file, \n(2) a slow tokenizer"
+    assert one_line(message) == "Couldn't instantiate the backend tokenizer from one of: (1) a serialization file, (2) a slow tokenizer"
+    assert one_line("first line\nsecond line") == "first line"
+
+
+def test_an_unreadable_data_file_is_named_with_the_key_that_locates_it(tmp_path, monkeypatch):
+    require_real_data()
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/data/e2e/src1_train.txt")
+
+    monkeypatch.setattr(loop, "prepare_data", unreadable)
+    with pytest.raises(DataError, match=r"^cannot read /data/e2e/src1_train.txt: Permission denied; data.root sets the data folder"):
+        run(compose_config(*SMALL), tmp_path / "run")

@@ -16,7 +16,7 @@ from helpers_tokenizers import CharTokenizer
 
 from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
-from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, build_engine, build_partition
+from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, build_engine, build_partition
 from dpmuon.training.evaluation import decode
 
 pytestmark = pytest.mark.gpu
@@ -85,11 +85,10 @@ def test_fast_engine_matches_opacus_on_the_device_in_bf16(tie):
 def test_privatizer_on_the_device_releases_fp32_with_calibrated_noise():
     model = model_on_device(seed=3)
     partition = partition_of(model, clip_norm=1e-4)  # every example clipped: the signal is tiny
-    generator = torch.Generator(device=DEVICE).manual_seed(4)
     sigma, lot_size = 2.0, 8
     privatizer = Privatizer(
         model, partition, noise_multiplier=sigma, expected_lot_size=lot_size, sample_rate=0.01,
-        accountant=PrivacyAccountant(1e-5), noise=GaussianNoise(generator), engine="fast",
+        accountant=PrivacyAccountant(1e-5), noise=GaussianNoise(SecretStream(4)), engine="fast",
     )  # fmt: skip
     batch = lot(lot_size, seed=5)
     stats = privatizer.release([{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}], bf16_loss)
@@ -108,7 +107,7 @@ def test_dp_optimizers_step_on_the_device_and_keep_fp32_state(name):
     partition = partition_of(model, clip_norm=0.1)
     privatizer = Privatizer(
         model, partition, noise_multiplier=1.0, expected_lot_size=8, sample_rate=0.01,
-        accountant=PrivacyAccountant(1e-5), noise=GaussianNoise(torch.Generator(device=DEVICE).manual_seed(7)), engine="fast",
+        accountant=PrivacyAccountant(1e-5), noise=GaussianNoise(SecretStream(7)), engine="fast",
     )  # fmt: skip
     named = dict(model.named_parameters())
     kind, cfg = OPTIMIZERS[name]

@@ -26,7 +26,7 @@ import dpmuon
 from dpmuon.data import EncodedExample
 from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
-from dpmuon.privacy import GaussianNoise, NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
+from dpmuon.privacy import GaussianNoise, NonPrivateRelease, PrivacyAccountant, Privatizer, SecretStream, build_partition
 from dpmuon.training.evaluation import decode, token_nll
 
 SOURCE = Path(dpmuon.__file__).resolve().parent
@@ -89,7 +89,7 @@ def private_setup(tie: bool, engine: str, clip_mode: str, secure: bool):
     partition = build_partition(names, clip_mode=clip_mode, clip_norm=0.1, matrix_names=matrices)
     privatizer = Privatizer(
         model, partition, noise_multiplier=1.0, expected_lot_size=8, sample_rate=0.01,
-        accountant=PrivacyAccountant(1e-5), noise=GaussianNoise(torch.Generator().manual_seed(0), secure=secure),
+        accountant=PrivacyAccountant(1e-5), noise=GaussianNoise(SecretStream(0), secure=secure),
         engine=engine,
     )  # fmt: skip
     return model, matrices, privatizer

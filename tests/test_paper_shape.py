@@ -21,7 +21,8 @@ import torch
 from helpers_train import compose_config, require_real_data
 
 from dpmuon.data import group_references, load_examples
-from dpmuon.privacy.accountant import epsilon_after
+from dpmuon.eval.runs import read_run_rows
+from dpmuon.privacy.accountant import ReleaseSlack, epsilon_after
 from dpmuon.training.loop import run
 
 GPT2_VOCAB = 50257 + 1  # GPT-2's BPE plus the added pad token
@@ -47,9 +48,12 @@ def test_paper_e2e_configuration_runs_end_to_end_at_gpt2_small_size(tmp_path, un
 
     # The plan: the full training set, the paper's δ and ε, σ calibrated for two steps.
     assert summary["dataset_size"] == 42_057 and summary["steps"] == 2 and summary["delta"] == 8e-6
-    assert summary["epsilon"] == pytest.approx(epsilon_after(summary["noise_multiplier"], 64 / 42_057, 2, 8e-6))
+    slack = ReleaseSlack(**summary["release_slack"])
+    assert summary["epsilon"] == pytest.approx(epsilon_after(summary["noise_multiplier"], 64 / 42_057, 2, 8e-6, "prv", slack))
     assert summary["epsilon"] <= 8.0 and summary["tied_lm_head"] is (not untie)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_run_rows(tmp_path, diagnostics=True)  # with the owner-only diagnostics (train loss, lot size, step time)
+    assert rows[0]["step"] == 0 and set(rows[0]) == {"step", "val_nll"}  # the initial weights' validation NLL
+    rows = rows[1:]
     assert [r["step"] for r in rows] == [1, 2] and all(r["train_loss"] > 0 for r in rows)
     # Poisson lots of mean 64 take more than one micro-batch of 32 (P(lot ≤ 32) < 1e-4).
     assert all(r["lot_size"] > 32 for r in rows)

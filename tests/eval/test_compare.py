@@ -19,3 +19,11 @@ def test_paired_comparison_uses_same_seed_differences(tmp_path):
     assert "-1.00 ± 1.00 (A better on 0/3)" in row  # BLEU: 0, -1, -2
     assert "not measured" in row  # rouge_l is null in the fixture
 
+
+def test_the_caption_does_not_claim_shared_lots_and_noise(runs_root):
+    """By default each run draws its lots and noise from its own secret randomness, whatever its seed."""
+    from dpmuon.eval.compare import comparison_markdown
+    from dpmuon.eval.runs import find_runs
+
+    text = comparison_markdown("e2e", [run for run in find_runs([runs_root]) if run.dataset == "e2e"])
+    assert "same seed = same lots and noise" not in text and "not by default" in text

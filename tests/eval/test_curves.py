@@ -1,15 +1,17 @@
 """Training curves built from synthetic run directories: mean and min–max bands, reproducible
-PNGs, empty panels, and the optimizers' colors."""
+PNGs, empty panels, the optimizers' colors and markers, the target ε, captions that match the
+number of seeds, and diverged runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from helpers_runs import PNG_SIGNATURE
+from helpers_runs import PNG_SIGNATURE, training_rows, write_run
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from dpmuon.eval import curves
 from dpmuon.eval.cli import curves_main
 from dpmuon.eval.curves import NOT_LOGGED, PANELS, aggregate_curves, draw_panel, optimizer_color
 from dpmuon.eval.runs import find_runs
@@ -62,3 +64,37 @@ def test_paper_optimizers_have_fixed_distinct_colors():
     assert len({optimizer_color(name) for name in names}) == len(names)
     assert optimizer_color("my_new_optimizer") == optimizer_color("my_new_optimizer")
 
+
+
+def test_the_epsilon_panel_marks_the_target_and_every_optimizer_stays_visible(runs_root: Path):
+    e2e_runs = [run for run in find_runs([runs_root]) if run.dataset == "e2e"]
+    axes: Axes = Figure().subplots()
+    draw_panel(axes, PANELS[2], aggregate_curves(e2e_runs, "epsilon"))
+    target = [line for line in axes.get_lines() if line.get_label() == "target ε"]
+    assert len(target) == 1 and list(target[0].get_ydata()) == [8.0, 8.0]
+    curves = [line for line in axes.get_lines() if line.get_label() != "target ε"]
+    assert len({line.get_marker() for line in curves}) == len(curves) == 2  # equal ε curves, told apart by marker
+    assert all(tick == int(tick) for tick in axes.get_xticks())  # steps: no fractional ticks
+
+
+def test_captions_match_the_number_of_seeds_and_a_diverged_run_says_so(tmp_path: Path, monkeypatch):
+    write_run(tmp_path, "ok", training_rows(0), seed=0)
+    write_run(tmp_path, "nan", [{"step": 10, "lr": 1e-3, "epsilon": 1.0, "val_nll": None}], optimizer="dp_sgd", stop_reason="non-finite: …")
+    titles, panels = [], {}
+
+    def keep(figure, path):
+        titles.append(figure._suptitle.get_text())
+        panels[path.name] = figure.axes
+        return path
+
+    monkeypatch.setattr(curves, "save_figure", keep)
+    curves.write_curves(find_runs([tmp_path]), tmp_path / "out")
+    assert titles and all(title == f"e2e ({curves.ONE_RUN_NOTE})" for title in titles)  # no "band: min–max" over one seed
+    assert not any(axes.collections for figure_axes in panels.values() for axes in figure_axes)  # no band drawn
+    (train_loss,) = panels["train_loss.png"]
+    assert [line.get_label() for line in train_loss.get_lines()] == ["dp_adam (n=1)"]
+    (epsilon,) = panels["epsilon.png"]
+    assert "dp_sgd (n=1, diverged)" in [line.get_label() for line in epsilon.get_lines()]
+    axes: Axes = Figure().subplots()
+    draw_panel(axes, PANELS[0], [], any_diverged=True)
+    assert [text.get_text() for text in axes.texts] == [curves.DIVERGED]

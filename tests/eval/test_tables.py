@@ -16,14 +16,14 @@ def test_markdown_table_aggregates_seeds_and_marks_missing_values(runs_root: Pat
     out = tmp_path / "results"
     assert tables_main([str(runs_root), "--out", str(out)]) == 0
     header, _, *rows = table_rows((out / "e2e" / "table.md").read_text())
-    assert header[:9] == ["optimizer", "model", "target ε", "ε spent (mean)", "seeds (n)",
+    assert header[:9] == ["optimizer", "model", "target ε", "ε spent (mean)", "n (seeds)",
                           "test NLL", "BLEU", "BLEU (single ref)", "ROUGE-L"]  # fmt: skip
     assert header[9:] == ["paper: test NLL", "paper: BLEU", "paper: ROUGE-L"]
     by_optimizer = {row[0]: dict(zip(header, row)) for row in rows}
     assert [row[0] for row in rows] == ["dp_sgd", "dp_adam", "dp_muonbc", "adam"]
 
     dp_adam = by_optimizer["dp_adam"]
-    assert dp_adam["seeds (n)"] == "2 (0, 1)"
+    assert dp_adam["n (seeds)"] == "2 (seeds 0, 1)"
     assert dp_adam["ε spent (mean)"] == "8.00 ± 0.01"
     assert dp_adam["test NLL"] == "0.5100 ± 0.0141"  # sample std of (0.50, 0.52) = 0.02 / sqrt(2)
     assert dp_adam["BLEU"] == "21.00 ± 1.41"
@@ -105,3 +105,12 @@ def test_tables_are_byte_identical_on_rerun(runs_root: Path, tmp_path: Path):
     assert len(files) == 6  # md, csv, tex for e2e and dart
     assert all((first / name).read_bytes() == (second / name).read_bytes() for name in files)
 
+
+
+def test_one_seed_reads_as_one_seed_and_a_non_private_run_reconstructs_no_releases(tmp_path: Path):
+    write_run(tmp_path / "runs", "adam", optimizer="adam", noise_multiplier=0, epsilon=None, private=False)
+    assert tables_main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "e2e" / "table.md").read_text()
+    header, _, row = table_rows(text)[:3]
+    assert dict(zip(header, row))["n (seeds)"] == "1 (seed 0)"
+    assert "Releases are reconstructed" not in text  # a run without noise released nothing

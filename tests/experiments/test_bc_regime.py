@@ -30,6 +30,13 @@ def test_runs_of_one_seed_index_share_a_secret_mechanism_seed_that_differs_acros
     assert stat.S_IMODE(os.stat(tmp_path / "mechanism_seeds.json").st_mode) == 0o600
     again = bc_regime.jobs(RATES, bc_regime.MechanismSeeds(tmp_path / "mechanism_seeds.json"))
     assert [j.mechanism_seed for j in again] == [j.mechanism_seed for j in jobs]  # resumed sweeps pair up
+    assert all(64 < job.mechanism_seed.bit_length() <= 128 for job in jobs)  # 128 random bits: no search finds one
+
+
+def test_a_stored_mechanism_seed_is_kept_and_only_new_ones_are_drawn(tmp_path):
+    (tmp_path / "mechanism_seeds.json").write_text('{"0": 12345}')  # drawn with fewer bits by an older runner
+    seeds = bc_regime.MechanismSeeds(tmp_path / "mechanism_seeds.json")
+    assert seeds(0) == 12345 and seeds(1).bit_length() > 64
 
 
 def test_the_map_covers_every_epsilon_optimizer_and_seed_at_the_committed_rates():
@@ -147,30 +154,25 @@ def test_snr_extrapolation_recovers_mean_and_variance_from_two_lots():
 
 
 def test_a_jobs_mechanism_seed_reaches_the_run_through_its_environment_not_its_command_line(tmp_path, monkeypatch):
-    from helpers_train import compose_config
-
-    from dpmuon.config.schema import validate
-
-    seen = {}
+    seen = []
 
     def capture(cmd, env, **kwargs):
-        seen.update(cmd=cmd, env=env)
+        seen.append((cmd, env))
         return type("Done", (), {"returncode": 1})()
 
     monkeypatch.setattr(jobs_module.subprocess, "run", capture)
-    with pytest.raises(SystemExit):
-        run_job(Job("a", "runs", ("seed=0",), mechanism_seed=918273645), tmp_path / "work", tmp_path / "results", threads=1)
-    assert not any("918273645" in arg for arg in seen["cmd"])  # argv is readable by every user (ps)
-    assert seen["env"][jobs_module.MECHANISM_SEED_ENV] == "918273645"
-    monkeypatch.setenv(jobs_module.MECHANISM_SEED_ENV, "918273645")
-    cfg = compose_config(*[arg for arg in seen["cmd"] if arg.startswith("privacy.")])
-    validate(cfg)  # the interpolation resolves to an integer seed
-    assert cfg.privacy.mechanism_seed == 918273645
+    monkeypatch.setenv(jobs_module.MECHANISM_SEED_ENV, "5550123")  # the runner's own: no job may inherit it
+    for job in (Job("a", "runs", ("seed=0",), mechanism_seed=918273645), Job("b", "runs", ("seed=0",))):
+        with pytest.raises(SystemExit):
+            run_job(job, tmp_path / "work", tmp_path / "results", threads=1)
+    (seeded, seeded_env), (unseeded, unseeded_env) = seen
+    assert not any("privacy.mechanism_seed" in arg or "918273645" in arg for arg in seeded + unseeded)  # argv: readable by every user (ps)
+    assert seeded_env[jobs_module.MECHANISM_SEED_ENV] == "918273645" and jobs_module.MECHANISM_SEED_ENV not in unseeded_env
 
 
 def test_a_run_that_stopped_before_saving_state_starts_again_with_its_seed_and_a_started_one_resumes(tmp_path, monkeypatch):
-    """A run that failed in setup has only its (seed-scrubbed) Hydra config: resuming it would
-    silently draw OS entropy and break the pairing, so it is started again from its command."""
+    """A run that failed in setup saved no mechanism state to resume from: it is started again
+    from its command, its seed in the environment (pairing kept)."""
     seen = []
 
     def capture(cmd, env, **kwargs):
@@ -181,12 +183,12 @@ def test_a_run_that_stopped_before_saving_state_starts_again_with_its_seed_and_a
     job = Job("a", "runs", ("seed=0",), mechanism_seed=918273645)
     run_dir = tmp_path / "work" / "runs" / "a"
     (run_dir / ".hydra").mkdir(parents=True)
-    (run_dir / ".hydra" / "config.yaml").write_text("privacy:\n  mechanism_seed: null\n")
+    (run_dir / ".hydra" / "config.yaml").write_text("privacy:\n  mechanism_seed_file: null\n")
     for saved in (None, "mechanism_state.pt", "checkpoint.pt"):
         if saved:
             (run_dir / saved).write_bytes(b"")
         with pytest.raises(SystemExit):
             run_job(job, tmp_path / "work", tmp_path / "results", threads=1)
     (fresh, fresh_env), (after_state, _), (after_checkpoint, _) = seen
-    assert "seed=0" in fresh and jobs_module.SEED_FROM_ENV in fresh and fresh_env[jobs_module.MECHANISM_SEED_ENV] == "918273645"
+    assert "seed=0" in fresh and fresh_env[jobs_module.MECHANISM_SEED_ENV] == "918273645"
     assert any(arg.startswith("resume=") for arg in after_state) and any(arg.startswith("resume=") for arg in after_checkpoint)

@@ -52,7 +52,7 @@ def test_a_published_run_is_not_run_again_when_its_working_directory_is_gone(tmp
     published.mkdir(parents=True)
     (published / "summary.json").write_text("{}")
     monkeypatch.setattr(reproduce.subprocess, "run", lambda *a, **k: pytest.fail("a published run was re-run"))
-    assert reproduce.run_job(job, tmp_path / "work", tmp_path / "results", threads=1) == published
+    assert reproduce.run_jobs([job], tmp_path / "work", tmp_path / "results", threads=1, parallel=1) == [published]
 
 
 def _pretraining_run(path, losses):
@@ -89,6 +89,6 @@ def test_a_run_is_published_as_soon_as_it_finishes(tmp_path, monkeypatch):
         return reproduce.subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(reproduce.subprocess, "run", fake_training)
-    published = reproduce.run_job(job, tmp_path / "work", tmp_path / "results", threads=1)
+    [published] = reproduce.run_jobs([job], tmp_path / "work", tmp_path / "results", threads=1, parallel=1)
     assert published == tmp_path / "results" / job.stage / job.name
     assert sorted(p.name for p in published.iterdir()) == ["config.yaml", "summary.json"]

@@ -4,15 +4,14 @@ each DP optimizer on real E2E data."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from conftest import VOCAB, fast_squared_norms, token_batch
+from helpers_tokenizers import StubTokenizer
 from helpers_train import compose_config, require_real_data
 from reference import PARTITIONS, assert_close_dicts, assert_close_norms, naive_reference, opacus_reference, partition_for
-from helpers_tokenizers import StubTokenizer
 
+from dpmuon.eval.runs import read_run_rows
 from dpmuon.models import Shape, build_model, build_random_lm, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss
 from dpmuon.privacy import build_engine
 from dpmuon.privacy.engines.fast import FastEngine
@@ -137,7 +136,7 @@ def test_llama_tiny_smoke_run_of_each_dp_optimizer(tmp_path, optimizer):
     assert summary["model"] == "llama_tiny" and summary["steps"] == 2
     assert 0 < summary["epsilon"] <= summary["target_epsilon"]
     assert summary["initial_weights_sha256"] != summary["final_weights_sha256"]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in read_run_rows(tmp_path, diagnostics=True) if r["step"] > 0]  # (step 0: the initial weights' validation NLL)
     assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in rows)
     if optimizer.startswith("dp_muon"):
         assert len(rows[0]["snr"]) == 7  # one estimate per hidden matrix: q, k, v, o, gate, up, down

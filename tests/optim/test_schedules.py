@@ -101,6 +101,7 @@ def test_schedule_is_configured_once_for_every_optimizer():
     assert compose_config("optimizer=dp_muon", "optimizer.schedule=cosine").optimizer.schedule == "cosine"
 
 
+@pytest.mark.slow  # a full driver kill and resume; the scheduler's state round trip is tested above
 def test_kill_and_resume_mid_schedule_ends_on_the_same_weights(tmp_path):
     """SIGKILL after step 5 (checkpoint at 4, inside the cosine decay): the resumed run
     replays lots and noise (seeded) and must continue the schedule, not restart it."""

@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import tiny_gpt2, token_batch
-from helpers_train import require_real_data
+from helpers_train import require_real_data, seed_file_override
 
+from dpmuon.eval.runs import read_run_rows
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
-from dpmuon.privacy import DataParallel, GaussianNoise, PrivacyAccountant, Privatizer, build_partition
+from dpmuon.privacy import DataParallel, GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, build_partition
 
 DATA = token_batch(40, seed=11)
 LOTS = [[0, 3, 4, 9, 12, 15, 21, 30, 33], [1, 2, 8, 17, 25, 39], [5, 6, 7, 10, 11, 13, 14, 16, 18, 19, 20]]
@@ -30,7 +31,7 @@ def train_steps(parallel: DataParallel) -> dict:
     partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.5, matrix_names=hidden_matrices(model))
     privatizer = Privatizer(
         model, partition, noise_multiplier=0.8, expected_lot_size=8, sample_rate=0.2, accountant=PrivacyAccountant(1e-5),
-        noise=GaussianNoise(torch.Generator().manual_seed(5)), parallel=parallel,
+        noise=GaussianNoise(SecretStream(5)), parallel=parallel,
     )  # fmt: skip
     optimizer = build_optimizer(
         "muonbc",
@@ -92,7 +93,7 @@ TORCHRUN_TINY = [
     "experiment=smoke", "optimizer=dp_muonbc", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",
     "data.max_train_examples=200", "data.max_valid_examples=8", "data.max_test_sources=2", "privacy.expected_lot_size=16",
     "privacy.noise_multiplier=1.0", "trainer.steps=4", "trainer.micro_batch_size=4", "trainer.num_threads=1",
-    "privacy.mechanism_seed=3",  # one and two processes must draw the same lots and noise
+    seed_file_override(3 << 100),  # one and two processes must draw the same lots and noise
     "eval.num_beams=1", "eval.max_new_tokens=4", "logging.progress=false", "logger=none",
 ]  # fmt: skip
 
@@ -116,7 +117,7 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     one, two = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
     assert two["world_size"] == 2 and one["world_size"] == 1
     assert two["epsilon"] == one["epsilon"] and two["steps"] == one["steps"]
-    rows = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "two")]
+    rows = [read_run_rows(tmp_path / d, diagnostics=True)[1:] for d in ("one", "two")]  # [0]: step 0
     assert [r["lot_size"] for r in rows[0]] == [r["lot_size"] for r in rows[1]]  # same global lots
     assert [r["train_loss"] for r in rows[0]] == pytest.approx([r["train_loss"] for r in rows[1]], rel=1e-5)
     a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False)["model"] for d in ("one", "two"))

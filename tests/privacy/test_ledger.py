@@ -3,6 +3,7 @@ different re-releases charged, and a re-run that reuses noise for a new output r
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -17,9 +18,11 @@ from dpmuon.privacy import (
     PrivacyLedger,
     Privatizer,
     ReplayMismatchError,
+    SecretStream,
     build_partition,
     release_digest,
 )
+from dpmuon.privacy.ledger import LedgerIntegrityError
 
 HEADER = {"dataset": "e2e", "dataset_size": 40, "data_fingerprint": "abc", "delta": 1e-5, "accountant": "prv"}
 BATCH = token_batch(6, seed=2)
@@ -53,6 +56,122 @@ def test_a_torn_last_line_is_dropped_and_another_dataset_is_refused(tmp_path):
         PrivacyLedger(path, {**HEADER, "dataset_size": 41})
 
 
+def written(path, releases: int = 4) -> PrivacyLedger:
+    ledger = PrivacyLedger(path, HEADER)
+    for step in range(1, releases + 1):
+        ledger.record(step, 1.0, 0.1, f"{step:064x}")
+    return ledger
+
+
+def test_each_line_chains_to_the_previous_one_and_head_and_length_name_the_last(tmp_path):
+    ledger = written(tmp_path / "privacy_ledger.jsonl")
+    raw = (tmp_path / "privacy_ledger.jsonl").read_bytes().split(b"\n")[:-1]
+    records = [json.loads(line) for line in raw]
+    assert [r["prev"] for r in records[1:]] == [hashlib.sha256(line).hexdigest() for line in raw[:-1]]
+    assert ledger.length == 5 and ledger.head == hashlib.sha256(raw[-1]).hexdigest()
+    other = written(tmp_path / "other.jsonl")  # same data, same releases: another run's chain
+    assert records[0]["run_id"] != json.loads((tmp_path / "other.jsonl").read_text().splitlines()[0])["run_id"]
+    assert other.head != ledger.head
+
+
+def test_a_ledger_longer_than_its_checkpoint_verifies_and_keeps_the_later_releases(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    ledger = written(path, 2)
+    head, length = ledger.head, ledger.length  # what a checkpoint records after step 2
+    ledger.record(3, 1.0, 0.1, "c")  # released after the checkpoint, before a crash
+    reopened = PrivacyLedger(path, HEADER)
+    reopened.verify(head, length)
+    assert reopened.charged_history() == [(1.0, 0.1, 3)]
+
+
+def _remove_middle_lines(lines: list[bytes]) -> list[bytes]:
+    return lines[:1] + lines[3:]
+
+
+def _flip_charged(lines: list[bytes]) -> list[bytes]:
+    return [lines[0], lines[1].replace(b'"charged": true', b'"charged": false'), *lines[2:]]
+
+
+def _change_sigma(lines: list[bytes]) -> list[bytes]:
+    return [lines[0], lines[1], lines[2].replace(b'"noise_multiplier": 1.0', b'"noise_multiplier": 9.0'), *lines[3:]]
+
+
+def _garble_a_middle_line(lines: list[bytes]) -> list[bytes]:
+    return [lines[0], b'{"kind": "rele', *lines[2:]]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_remove_middle_lines, ":2: 'prev' is not the hash of line 1"),
+        (_flip_charged, ":3: 'prev' is not the hash of line 2"),
+        (_change_sigma, ":4: 'prev' is not the hash of line 3"),
+        (_garble_a_middle_line, ":2: not valid JSON"),
+    ],
+    ids=["truncated-middle", "charged-flipped", "sigma-changed", "garbled-middle"],
+)
+def test_a_ledger_with_lines_removed_or_edited_is_refused_and_left_as_it_is(tmp_path, damage, message):
+    path = tmp_path / "privacy_ledger.jsonl"
+    written(path)
+    damaged = b"".join(line + b"\n" for line in damage(path.read_bytes().split(b"\n")[:-1]))
+    path.write_bytes(damaged)
+    with pytest.raises(LedgerIntegrityError, match=f"privacy_ledger.jsonl{message}"):
+        PrivacyLedger(path, HEADER)
+    assert path.read_bytes() == damaged  # a refusal, never a truncation or a rewrite
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["privacy_ledger.jsonl"]
+
+
+def test_verify_refuses_a_truncated_edited_swapped_or_recreated_ledger(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    head, length = (ledger := written(path)).head, ledger.length
+    original = path.read_bytes()
+
+    path.write_bytes(b"".join(line + b"\n" for line in original.split(b"\n")[:-2]))  # the last release removed
+    with pytest.raises(LedgerIntegrityError, match="records 5 lines, the ledger has 4"):
+        PrivacyLedger(path, HEADER).verify(head, length, "checkpoint.pt")
+
+    start_of_last = original.rindex(b"\n", 0, -1) + 1  # the last line: no later line chains to it
+    path.write_bytes(original[:start_of_last] + original[start_of_last:].replace(b'"charged": true', b'"charged": false'))
+    with pytest.raises(LedgerIntegrityError, match="privacy_ledger.jsonl:5: this is not the line checkpoint.pt recorded"):
+        PrivacyLedger(path, HEADER).verify(head, length, "checkpoint.pt")
+
+    path.unlink()
+    written(tmp_path / "other.jsonl").path.replace(path)  # another run's ledger on the same data
+    with pytest.raises(LedgerIntegrityError, match="swapped for another run's"):
+        PrivacyLedger(path, HEADER).verify(head, length, "checkpoint.pt")
+
+    path.unlink()  # deleted, then recreated by a resume that did not know better
+    with pytest.raises(LedgerIntegrityError, match="records 5 lines, the ledger has 1"):
+        PrivacyLedger(path, HEADER).verify(head, length, "checkpoint.pt")
+    with pytest.raises(LedgerIntegrityError, match="records no ledger head"):
+        PrivacyLedger(path, HEADER).verify(None, None, "checkpoint.pt")
+
+
+def test_a_torn_last_line_is_moved_aside_with_every_byte_and_the_chain_continues(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    head, length = (ledger := written(path, 2)).head, ledger.length
+    intact = path.read_bytes()
+    with open(path, "ab") as f:
+        f.write(b'{"charged": true, "kind": "release", "noise_multiplier": 1.0, "prev": "')  # killed mid-write
+    torn = path.read_bytes()
+    reopened = PrivacyLedger(path, HEADER)
+    reopened.verify(head, length)
+    assert path.read_bytes() == intact and (tmp_path / "privacy_ledger.jsonl.damaged-1").read_bytes() == torn
+    assert reopened.record(3, 1.0, 0.1, "c") and PrivacyLedger(path, HEADER).length == 4  # chained on, reopens
+    with open(path, "ab") as f:
+        f.write(b"{")  # torn again: the first copy is kept, the second gets the next number
+    PrivacyLedger(path, HEADER)
+    assert (tmp_path / "privacy_ledger.jsonl.damaged-1").read_bytes() == torn
+    assert (tmp_path / "privacy_ledger.jsonl.damaged-2").read_bytes().endswith(b"\n{")
+
+
+def test_a_ledger_from_before_the_chain_is_not_continued(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    path.write_text(json.dumps({"kind": "header", "format": 1, **HEADER}) + "\n")
+    with pytest.raises(LedgerIntegrityError, match="privacy_ledger.jsonl:1: ledger format 1 has no hash chain"):
+        PrivacyLedger(path, HEADER)
+
+
 def test_digest_sees_every_bit_of_the_release():
     released = {"w": torch.ones(3, 2), "b": torch.zeros(2)}
     nudged = {"w": torch.ones(3, 2), "b": torch.tensor([0.0, 1e-30])}
@@ -66,7 +185,7 @@ def privatizer_with_ledger(tmp_path, noise_seed: int = 5) -> Privatizer:
     partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.5, matrix_names=hidden_matrices(model))
     return Privatizer(
         model, partition, noise_multiplier=0.8, expected_lot_size=6, sample_rate=0.15, accountant=PrivacyAccountant(1e-5),
-        noise=GaussianNoise(torch.Generator().manual_seed(noise_seed)), ledger=PrivacyLedger(tmp_path / "ledger.jsonl", HEADER),
+        noise=GaussianNoise(SecretStream(noise_seed)), ledger=PrivacyLedger(tmp_path / "ledger.jsonl", HEADER),
     )  # fmt: skip
 
 
@@ -91,3 +210,11 @@ def test_privatizer_writes_the_ledger_before_the_gradient_and_charges_only_new_o
     fresh.noise_may_repeat = False  # reseeded from fresh entropy: a new release, charged
     assert fresh.release([token_batch(6, seed=3)], per_example_lm_loss, step=1).charged
     assert fresh.ledger.charged_history() == [(0.8, 0.15, 2)]
+
+
+def test_a_torn_header_is_set_aside_and_a_new_ledger_begins(tmp_path):
+    path = tmp_path / "privacy_ledger.jsonl"
+    path.write_bytes(b'{"accountant": "prv", "data_fing')  # killed while writing the header: no release yet
+    ledger = PrivacyLedger(path, HEADER)
+    assert ledger.length == 1 and lines(path)[0]["kind"] == "header"
+    assert (tmp_path / "privacy_ledger.jsonl.damaged-1").read_bytes() == b'{"accountant": "prv", "data_fing'

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from helpers_train import compose_config, require_real_data
 
-from dpmuon.privacy import MechanismRandomness, PoissonLotSampler, build_lot_sampler
+from dpmuon.eval.runs import read_run_rows
+from dpmuon.privacy import GaussianNoise, MechanismRandomness, PoissonLotSampler, SecretStream, build_lot_sampler
 from dpmuon.privacy.randomness import OS_ENTROPY, SECURE, USER_SEED
-from dpmuon.train import given_mechanism_seed, jobs_per_mechanism_seed
+from dpmuon.train import jobs_per_mechanism_seed
 from dpmuon.training.loop import run
+from dpmuon.training.secret import MECHANISM_SEED_ENV
 
 TINY = [
     "experiment=smoke", "optimizer=dp_muon", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",
@@ -38,7 +42,7 @@ def test_default_randomness_is_fresh_for_every_run():
     a, b = MechanismRandomness(None), MechanismRandomness(None)
     assert a.source == b.source == OS_ENTROPY
     assert lots(a) != lots(b)
-    assert not torch.equal(torch.randn(8, generator=a.noise), torch.randn(8, generator=b.noise))
+    assert not np.array_equal(GaussianNoise(a.noise).standard_normal(8), GaussianNoise(b.noise).standard_normal(8))
 
 
 def test_user_seed_replays_lots_and_noise_and_is_independent_of_the_public_seed():
@@ -48,7 +52,7 @@ def test_user_seed_replays_lots_and_noise_and_is_independent_of_the_public_seed(
     b = MechanismRandomness(7)
     assert a.source == USER_SEED
     assert lots(a) == lots(b)
-    assert torch.equal(torch.randn(8, generator=a.noise), torch.randn(8, generator=b.noise))
+    assert np.array_equal(GaussianNoise(a.noise).standard_normal(8), GaussianNoise(b.noise).standard_normal(8))
     assert lots(MechanismRandomness(8)) != lots(MechanismRandomness(7))
 
 
@@ -68,12 +72,12 @@ def test_saved_state_replays_and_a_reseed_does_not():
 def test_secure_lots_come_from_the_csprng_at_rate_q():
     seeded_twice = [MechanismRandomness(5, secure=True) for _ in range(2)]
     assert lots(seeded_twice[0]) != lots(seeded_twice[1])  # a seed does not reach secure draws
-    sampler = PoissonLotSampler(400, 0.05, torch.Generator().manual_seed(0), secure=True)
+    sampler = PoissonLotSampler(400, 0.05, SecretStream(0), secure=True)
     sizes = [len(sampler.next_lot()) for _ in range(400)]
     mean, var = 20, 400 * 0.05 * 0.95
     assert sum(sizes) / len(sizes) == pytest.approx(mean, abs=5 * math.sqrt(var / 400))
     with pytest.raises(ValueError, match="poisson"):
-        build_lot_sampler("shuffle", 100, 10, torch.Generator(), secure=True)
+        build_lot_sampler("shuffle", 100, 10, SecretStream(0), secure=True)
 
 
 @pytest.mark.parametrize("mode", [[], ["privacy.secure_noise=true"]], ids=["default", "secure"])
@@ -82,7 +86,7 @@ def test_two_runs_with_identical_config_draw_different_lots(tmp_path, mode):
     sizes, digests = [], []
     for name in ("a", "b"):
         run(compose_config(*TINY, *mode), tmp_path / name)
-        sizes.append([json.loads(line)["lot_size"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+        sizes.append([row["lot_size"] for row in read_run_rows(tmp_path / name, diagnostics=True) if row["step"] > 0])
         digests.append([json.loads(line).get("release_sha256") for line in (tmp_path / name / "privacy_ledger.jsonl").read_text().splitlines()[1:]])
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["mechanism_randomness"] == (SECURE if mode else OS_ENTROPY)
@@ -93,8 +97,8 @@ def test_two_runs_with_identical_config_draw_different_lots(tmp_path, mode):
 def test_a_user_seed_never_reaches_the_artifacts_or_the_console(tmp_path):
     require_real_data()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dpmuon.train", *TINY, f"privacy.mechanism_seed={SECRET}", "privacy.keep_mechanism_state=true", f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "dpmuon.train", *TINY, "privacy.keep_mechanism_state=true", f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, MECHANISM_SEED_ENV: str(SECRET)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert str(SECRET) not in done.stdout + done.stderr
     mechanism_state = run_dir / "mechanism_state.pt"
@@ -117,36 +121,10 @@ def test_mechanism_state_is_deleted_when_the_run_completes(tmp_path):
     assert (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "mechanism_state.pt").exists()
 
 
-def test_a_multirun_that_shares_a_mechanism_seed_warns_and_stays_redacted(tmp_path):
-    require_real_data()
-    sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "dpmuon.train", "-m", *TINY, "trainer.steps=1", "eval.test=false", "optimizer=dp_sgd,dp_adam",
-           f"privacy.mechanism_seed={SECRET}", f"hydra.sweep.dir={sweep}"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "draw the same lots and the same noise" in done.stderr
-    assert str(SECRET) not in done.stdout + done.stderr
-    assert all(str(SECRET).encode() not in p.read_bytes() for p in sweep.rglob("*") if p.is_file() and p.name != "mechanism_state.pt")
-
-
 def test_jobs_per_mechanism_seed_counts_the_sweep(tmp_path):
     missing = tmp_path / "multirun.yaml"
-    assert jobs_per_mechanism_seed(["optimizer=a,b", "privacy.mechanism_seed=1"], missing) == 2
-    assert jobs_per_mechanism_seed(["optimizer=a,b", "privacy.mechanism_seed=1,2"], missing) == 2  # paired by design
-    assert jobs_per_mechanism_seed(["seed=0", "privacy.mechanism_seed=1,2,3"], missing) == 1
-
-
-@pytest.mark.parametrize(
-    "override, given",
-    [
-        ("privacy.mechanism_seed=redacted", True),  # a literal seed, as the driver scrubs it
-        ("privacy.mechanism_seed='${oc.decode:${oc.env:DPMUON_UNSET_FOR_THIS_TEST}}'", True),  # the job runner's: never resolved here
-        ("privacy.mechanism_seed=null", False),
-        ("seed=3", False),
-    ],
-)
-def test_a_recorded_mechanism_seed_override_is_recognised_without_resolving_it(tmp_path, monkeypatch, override, given):
-    monkeypatch.delenv("DPMUON_UNSET_FOR_THIS_TEST", raising=False)
-    (tmp_path / ".hydra").mkdir()
-    (tmp_path / ".hydra" / "overrides.yaml").write_text(f"- experiment=smoke\n- {json.dumps(override)}\n")
-    assert given_mechanism_seed(tmp_path) is given
+    assert jobs_per_mechanism_seed(["optimizer=a,b", "seed=1,2"], missing, from_env=True) == 4  # the environment's seed: one for all
+    assert jobs_per_mechanism_seed(["optimizer=a,b", "privacy.mechanism_seed_file=s"], missing, from_env=False) == 2
+    assert jobs_per_mechanism_seed(["optimizer=a,b", "privacy.mechanism_seed_file=s,t"], missing, from_env=False) == 2  # paired by design
+    assert jobs_per_mechanism_seed(["seed=0", "privacy.mechanism_seed_file=s,t,u"], missing, from_env=False) == 1
+    assert jobs_per_mechanism_seed(["seed=0"], missing, from_env=True) == 1  # one job: nothing shared

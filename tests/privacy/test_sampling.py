@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from dpmuon.privacy import PoissonLotSampler, build_lot_sampler
+from dpmuon.privacy import PoissonLotSampler, SecretStream, build_lot_sampler
 
 
 def test_poisson_lot_sizes_are_binomial_and_inclusion_is_uniform():
     n, q, steps = 400, 0.05, 2000
-    sampler = PoissonLotSampler(n, q, torch.Generator().manual_seed(0))
+    sampler = PoissonLotSampler(n, q, SecretStream(0))
     sizes, counts = [], torch.zeros(n)
     for _ in range(steps):
         lot = sampler.next_lot()
@@ -30,7 +30,7 @@ def test_poisson_lot_sizes_are_binomial_and_inclusion_is_uniform():
 
 def test_poisson_inclusions_are_independent_across_examples():
     n, q, steps = 50, 0.3, 4000
-    sampler = PoissonLotSampler(n, q, torch.Generator().manual_seed(1))
+    sampler = PoissonLotSampler(n, q, SecretStream(1))
     both = 0
     for _ in range(steps):
         lot = set(sampler.next_lot())
@@ -39,22 +39,27 @@ def test_poisson_inclusions_are_independent_across_examples():
 
 
 def test_empty_lots_occur_and_are_returned():
-    sampler = PoissonLotSampler(10, 0.05, torch.Generator().manual_seed(2))
+    sampler = PoissonLotSampler(10, 0.05, SecretStream(2))
     assert any(len(sampler.next_lot()) == 0 for _ in range(100))
 
 
 def test_sampler_resumes_from_its_state():
-    a = PoissonLotSampler(1000, 0.01, torch.Generator().manual_seed(3))
+    """The key is the secret (saved with the mechanism's randomness); the sampler's own state is
+    only its position, and with the same key the next lots replay from it."""
+    a = PoissonLotSampler(1000, 0.01, SecretStream(3))
     for _ in range(5):
         a.next_lot()
     state = a.state_dict()
     expected = [a.next_lot() for _ in range(3)]
-    b = PoissonLotSampler(1000, 0.01, torch.Generator().manual_seed(99))
+    b = PoissonLotSampler(1000, 0.01, SecretStream(3))
     b.load_state_dict(state)
     assert [b.next_lot() for _ in range(3)] == expected
+    other_key = PoissonLotSampler(1000, 0.01, SecretStream(99))
+    other_key.load_state_dict(state)
+    assert [other_key.next_lot() for _ in range(3)] != expected
 
 
 def test_shuffle_sampling_is_fixed_size_and_warns():
     with pytest.warns(UserWarning, match="not a valid guarantee"):
-        sampler = build_lot_sampler("shuffle", 10, 4, torch.Generator().manual_seed(0))
+        sampler = build_lot_sampler("shuffle", 10, 4, SecretStream(0))
     assert [len(sampler.next_lot()) for _ in range(5)] == [4] * 5

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpmuon.privacy import PrivacyAccountant, epsilon_after
+from dpmuon.privacy import PrivacyAccountant, PrivacyLedger, epsilon_after
+from dpmuon.privacy.randomness import OS_ENTROPY
 from dpmuon.privacy.study import main
 
 torch.set_num_threads(1)
@@ -39,9 +42,10 @@ def releases(sigma: float, q: float, n: int, charged: bool = True) -> list[tuple
 
 
 def write_summary(run_dir: Path, **overrides) -> Path:
-    """A run from before ledgers: only summary.json."""
+    """A run without a ledger: only summary.json (with secret randomness unless overridden)."""
     summary = {"dataset": "e2e", "dataset_size": 1000, "optimizer": "dp_adam", "private": True, "seed": 0,
-               "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 20, "delta": 1e-5, "accountant": "prv"}  # fmt: skip
+               "noise_multiplier": 1.0, "sample_rate": 0.01, "steps": 20, "delta": 1e-5, "accountant": "prv",
+               "mechanism_randomness": OS_ENTROPY}  # fmt: skip
     summary.update(overrides)
     run_dir.mkdir(parents=True)
     (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -81,33 +85,78 @@ def test_uncharged_replays_cost_nothing(tmp_path: Path, capsys):
     assert study(capsys, replayed)["epsilon_total"] == pytest.approx(epsilon_after(1.0, 0.01, 10, 1e-5))
 
 
-def test_runs_on_different_training_sets_are_reported_as_separate_groups(tmp_path: Path, capsys):
+def test_runs_on_different_datasets_are_reported_as_separate_groups(tmp_path: Path, capsys):
     write_ledger(tmp_path / "e2e_a", releases(1.0, 0.01, 10))
     write_ledger(tmp_path / "e2e_a2", releases(1.0, 0.01, 10))
-    write_ledger(tmp_path / "e2e_b", releases(1.0, 0.01, 30), fingerprint=FINGERPRINT_B)
     write_ledger(tmp_path / "dart", releases(0.9, 0.02, 10), dataset="dart", size=2000)
     report = study(capsys, tmp_path)
-    assert "epsilon_total" not in report and "different training sets" in report["warnings"][0]
-    groups = {(g["dataset"], g["data_fingerprint"]): g for g in report["groups"]}
-    assert set(groups) == {("e2e", FINGERPRINT_A), ("e2e", FINGERPRINT_B), ("dart", FINGERPRINT_A)}
-    assert groups["e2e", FINGERPRINT_A]["epsilon_total"] == pytest.approx(epsilon_after(1.0, 0.01, 20, 1e-5))
-    assert groups["e2e", FINGERPRINT_B]["epsilon_total"] == pytest.approx(epsilon_after(1.0, 0.01, 30, 1e-5))
-    assert [run["run"] for run in groups["dart", FINGERPRINT_A]["runs"]] == [str(tmp_path / "dart")]
+    assert "epsilon_total" not in report and "different datasets" in report["warnings"][0]
+    groups = {g["dataset"]: g for g in report["groups"]}
+    assert set(groups) == {"e2e", "dart"}
+    assert groups["e2e"]["epsilon_total"] == pytest.approx(epsilon_after(1.0, 0.01, 20, 1e-5))
+    assert [run["run"] for run in groups["dart"]["runs"]] == [str(tmp_path / "dart")]
 
 
-def test_a_run_without_fingerprint_is_counted_in_every_set_it_could_have_used(tmp_path: Path, capsys):
-    write_ledger(tmp_path / "a", releases(1.0, 0.01, 10))
-    write_ledger(tmp_path / "b", releases(1.0, 0.01, 10), fingerprint=FINGERPRINT_B)
-    legacy = write_summary(tmp_path / "legacy", steps=20)
-    write_summary(tmp_path / "other_size", dataset_size=999)  # another N: another set
-    groups = study(capsys, tmp_path)["groups"]
-    by_key = {(g["dataset_size"], g["data_fingerprint"]): g for g in groups}
-    assert set(by_key) == {(1000, FINGERPRINT_A), (1000, FINGERPRINT_B), (999, None)}
-    for fingerprint in (FINGERPRINT_A, FINGERPRINT_B):
-        group = by_key[1000, fingerprint]
-        assert group["runs_without_fingerprint"] == [str(legacy)]
-        assert group["epsilon_total"] == pytest.approx(epsilon_after(1.0, 0.01, 30, 1e-5))
-        assert any("no data fingerprint" in warning for warning in group["warnings"])
+def test_overlapping_subsets_of_a_dataset_are_composed_together(tmp_path: Path, capsys):
+    """Runs on 1000 and on 400 examples of e2e, or on the same N with other examples (another
+    fingerprint), or with none recorded, may all have touched one person: one total."""
+    write_ledger(tmp_path / "all", releases(1.0, 0.01, 10))
+    write_ledger(tmp_path / "subset", releases(1.0, 0.01, 10), size=400, fingerprint=FINGERPRINT_B)
+    write_summary(tmp_path / "unrecorded", steps=10)
+    report = study(capsys, tmp_path)
+    assert report["dataset"] == "e2e" and report["dataset_sizes"] == [400, 1000]
+    assert report["data_fingerprints"] == [FINGERPRINT_A, FINGERPRINT_B] and len(report["runs"]) == 3
+    assert report["epsilon_total"] == pytest.approx(epsilon_after(1.0, 0.01, 30, 1e-5))
+
+
+@pytest.mark.parametrize("moved", ["another data root", "a subset of the same examples"])
+def test_the_data_fingerprint_is_the_examples_content_not_their_path(tmp_path: Path, moved: str):
+    from helpers_train import require_real_data
+
+    from dpmuon.data import load_tokenizer
+    from dpmuon.training.data import prepare_data
+
+    require_real_data()
+    root = Path(os.environ["DPMUON_DATA_DIR"])
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(root / "e2e", copy / "e2e")  # the same files under another path
+    tokenizer = load_tokenizer()  # $DPMUON_TOKENIZER
+    dataset = {"name": "e2e", "max_length": 100}
+
+    def fingerprint(data_root: Path, examples: int) -> str:
+        limits = {"max_train_examples": examples, "max_valid_examples": 1, "max_test_sources": 1}
+        return prepare_data(dataset, {"root": str(data_root), **limits}, tokenizer, 128, lambda _: None).train_source
+
+    if moved == "another data root":
+        assert fingerprint(root, 30) == fingerprint(copy, 30)
+    else:
+        assert fingerprint(root, 30) != fingerprint(root, 29)  # other examples: another fingerprint
+
+
+def test_a_run_without_a_ledger_counts_every_charged_release_not_its_steps(tmp_path: Path, capsys):
+    """A resume re-ran steps 5 and 6 with fresh noise: 8 charged releases for 6 steps."""
+    resumed = write_summary(tmp_path / "resumed", steps=6, releases_charged=8)
+    report = study(capsys, resumed)
+    assert report["runs"][0]["charged_releases"] == 8
+    assert report["epsilon_total"] == pytest.approx(epsilon_after(1.0, 0.01, 8, 1e-5))
+
+
+@pytest.mark.parametrize("randomness", [{}, {"mechanism_randomness": None}], ids=["absent", "null"])
+def test_a_private_run_without_secret_randomness_has_no_guarantee(tmp_path: Path, capsys, randomness):
+    """Runs before secret randomness drew lots and noise from the published seed: no ε covers them."""
+    old = write_summary(tmp_path / "old", **randomness)
+    if not randomness:
+        (old / "summary.json").write_text(json.dumps({k: v for k, v in json.loads((old / "summary.json").read_text()).items()
+                                                      if k != "mechanism_randomness"}))  # fmt: skip
+    secret = write_ledger(tmp_path / "secret", releases(1.0, 0.01, 10))
+    assert main([str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["epsilon_per_run"][str(old)] == "no guarantee"
+    assert report["epsilon_per_run"][str(secret)] == pytest.approx(epsilon_after(1.0, 0.01, 10, 1e-5))
+    assert report["epsilon_total"] == "no guarantee" and report["epsilon_total_private_runs"] == "no guarantee"
+    assert report["runs_without_secret_randomness"] == [str(old)]
+    assert "WARNING" in captured.err and "no secret mechanism randomness" in captured.err
 
 
 def test_runs_before_ledgers_are_reconstructed_from_their_summary(tmp_path: Path, capsys):
@@ -115,7 +164,7 @@ def test_runs_before_ledgers_are_reconstructed_from_their_summary(tmp_path: Path
     report = study(capsys, old)
     assert report["runs"][0]["ledger"] == "reconstructed from summary.json"
     assert report["runs"][0]["charged_releases"] == 25
-    assert report["data_fingerprint"] is None and report["delta"] == 2e-5
+    assert report["data_fingerprints"] == [] and report["delta"] == 2e-5
     assert report["epsilon_total"] == pytest.approx(epsilon_after(0.9, 0.02, 25, 2e-5))
 
 
@@ -249,9 +298,25 @@ def test_tables_note_the_study_level_epsilon_of_their_runs_and_of_the_tuning_bes
     notes = (tmp_path / "out" / "e2e" / "table.md").read_text().split("## Notes")[1]
     one, tuning, together = (epsilon_after(1.0, 0.01, steps, 1e-5) for steps in (20, 30, 50))
     assert (
-        f"on e2e (N=1000, no data fingerprint recorded), δ = 1e-05: the 1 DP run of this table: ε = {one:.2f}; "
+        f"on e2e (N=1000), δ = 1e-05: the 1 DP run of this table: ε = {one:.2f}; "
         f"the 2 DP runs in `tuning/` beside `runs/` (the learning-rate search): ε = {tuning:.2f}; "
         f"all 3 together: ε = {together:.2f}."
     ) in notes
     assert "reconstructed from each run's summary.json" in notes
     assert "**1 run (adam) trained on these examples without noise" in notes and "ε = ∞" in notes
+
+
+def test_a_chained_ledger_is_read_and_an_edited_one_is_refused(tmp_path: Path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    ledger = PrivacyLedger(run / "privacy_ledger.jsonl", {"dataset": "e2e", "dataset_size": 1000, "data_fingerprint": FINGERPRINT_A,
+                                                          "delta": 1e-5, "accountant": "prv"})  # fmt: skip
+    for step in range(1, 5):
+        ledger.record(step, 1.0, 0.01, f"{step:064x}")
+    assert study(capsys, run)["epsilon_total"] == pytest.approx(epsilon_after(1.0, 0.01, 4, 1e-5))
+    lines = (run / "privacy_ledger.jsonl").read_text().splitlines()
+    lines[2] = lines[2].replace('"charged": true', '"charged": false')  # a release made free by hand
+    (run / "privacy_ledger.jsonl").write_text("\n".join(lines) + "\n")
+    assert main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "privacy_ledger.jsonl:4: 'prev' is not the hash of line 3" in err

@@ -20,6 +20,7 @@ from dpmuon.privacy import epsilon_after
 from dpmuon.privacy.accountant import RDP_ORDERS
 from dpmuon.privacy.tuning import TruncatedNegativeBinomial, base_rdp, tuned_rdp, tuning_bound
 from dpmuon.privacy.tuning import main as tuning_main
+from dpmuon.training.secret import MECHANISM_SEED_ENV
 
 torch.set_num_threads(1)
 
@@ -219,6 +220,12 @@ def test_refuses_what_would_break_the_guarantee(tmp_path: Path, fake_trainer: st
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
     assert not (tmp_path / "tune").exists()  # refused before any training
+
+
+def test_refuses_a_mechanism_seed_in_its_environment_that_every_trial_would_inherit(tmp_path: Path, fake_trainer: str, capsys, monkeypatch):
+    monkeypatch.setenv(MECHANISM_SEED_ENV, str(1 << 100))
+    assert tune(tmp_path / "tune", fake_trainer, "--fixed-trials", "1") == 2
+    assert f"{MECHANISM_SEED_ENV} is set" in capsys.readouterr().err and not (tmp_path / "tune").exists()
 
 
 def test_refuses_a_used_folder_and_non_private_trials(tmp_path: Path, fake_trainer: str, capsys):

@@ -1,4 +1,5 @@
-"""The driver feeds private bf16 runs fixed-shape micro-batches (and fp32 runs dynamic ones)."""
+"""The driver feeds private bf16 runs fixed-shape micro-batches (and, without constant-time lots,
+fp32 runs dynamic ones; constant-time lots, the default, are tested in test_constant_time.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ TINY = [
 
 @pytest.mark.parametrize(
     ("overrides", "fixed"),
-    [(["trainer.precision=bf16"], True), (["trainer.precision=fp32"], False), (["trainer.precision=bf16", "trainer.fixed_batch_shape=false"], False)],
+    [
+        (["trainer.precision=bf16", "privacy.constant_time=false"], True),
+        (["trainer.precision=fp32", "privacy.constant_time=false"], False),
+        (["trainer.precision=bf16", "trainer.fixed_batch_shape=false", "privacy.constant_time=false"], False),
+    ],
 )
 def test_private_bf16_runs_use_fixed_shapes(tmp_path, monkeypatch, overrides, fixed):
     require_real_data()

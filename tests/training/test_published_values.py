@@ -2,7 +2,8 @@
 
 With non-private diagnostics off, nothing written, logged or sent to W&B may reveal per-step
 time or lot size; the logged noise std is what the privatizer used; δ·N and the status of the
-validation split are recorded.
+validation split are recorded. (The default — diagnostics in their own file, constant-time
+lots — is tested in test_constant_time.py.)
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def run_with_lots(tmp_path, monkeypatch, capsys, name: str, sizes: list[int]):
     calls: list = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     monkeypatch.setattr(loop, "build_lot_sampler", lambda *a, **k: FixedSizeLots(sizes))
-    cfg = compose_config(*TINY, "logger=wandb", "logging.nonprivate_diagnostics=false", "logging.progress=true")
+    # Without constant-time lots (tests/training/test_constant_time.py covers the default): the
+    # lots of 150 are not truncated, and nothing but the time steps take may tell them apart.
+    cfg = compose_config(*TINY, "logger=wandb", "logging.nonprivate_diagnostics=false", "logging.progress=true", "privacy.constant_time=false")
     summary = run(cfg, tmp_path / name)
     rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return summary, rows, calls, capsys.readouterr().err
@@ -82,7 +85,7 @@ def test_without_diagnostics_nothing_emitted_depends_on_the_lot_sizes(tmp_path, 
         assert not any(key in row for row in rows for key in ("lot_size", "step_seconds", "train_loss", "clip_fraction"))
         init = next(c[1] for c in calls if c[0] == "init")
         assert init["settings"] == ("settings", {"x_disable_stats": True, "x_disable_meta": True, "console": "off"})
-        assert [c[1] for c in calls if c[0] == "log" and c[1] is not None] == [3, 6]  # evaluation points only
+        assert [c[1] for c in calls if c[0] == "log" and c[1] is not None] == [0, 3, 6]  # evaluation points only (0: before training)
         train_bar = [part for part in re.split(r"[\r\n]", stderr) if part.startswith("train:")]
         assert train_bar and not any("it/s" in part or "s/it" in part or "<" in part for part in train_bar)
     (s1, rows1, calls1, _), (s2, rows2, calls2, _) = steady, swinging
@@ -98,7 +101,7 @@ def test_logged_noise_std_is_what_each_block_gets_under_proportional_allocation(
     require_real_data()
     cfg = compose_config(*TINY, "privacy.noise_allocation=proportional", "privacy.threshold_rule=by_size", "logging.progress=false")
     run(cfg, tmp_path)
-    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    row = next(r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["step"] == 1)
     # by_size: C_W ∝ √n_W, and proportional allocation gives block W std σ√K·C_W.
     sizes = sorted(p["numel"] for p in block_sizes(cfg))
     assert row["noise_std_max"] / row["noise_std_min"] == pytest.approx(math.sqrt(sizes[-1] / sizes[0]), rel=1e-6)

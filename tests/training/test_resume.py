@@ -8,6 +8,7 @@ Either way the ledger keeps every release, and ε is its composition.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 
 import pytest
@@ -28,9 +29,11 @@ from helpers_resume import (
 from helpers_train import compose_config, require_real_data
 
 from dpmuon.errors import UserError
-from dpmuon.privacy import PrivacyAccountant
+from dpmuon.privacy import PrivacyAccountant, PrivacyLedger
+from dpmuon.privacy.accountant import ReleaseSlack
 from dpmuon.training.loop import run
 from dpmuon.training.plan import check_resume_compatible, make_plan
+from dpmuon.training.secret import MECHANISM_SEED_ENV
 
 # Secure mode at a calibrated σ: ε after the 8 planned steps is just below the target, so one
 # charged re-release more would exceed it and the budget guard must stop the run.
@@ -39,7 +42,7 @@ SECURE = ["privacy.secure_noise=true", "privacy.noise_multiplier=null", "privacy
 
 def ledger_epsilon(records: list[dict]) -> float:
     header = records[0]
-    accountant = PrivacyAccountant(header["delta"], header["accountant"])
+    accountant = PrivacyAccountant(header["delta"], header["accountant"], ReleaseSlack(**header["release_slack"]))
     for r in records[1:]:
         if r["charged"]:
             accountant.step(r["noise_multiplier"], r["sample_rate"])
@@ -76,7 +79,7 @@ def test_seeded_kill_then_resume_replays_for_free_and_equals_uninterrupted_run(t
     assert not (run_dir / "mechanism_state.pt").exists()  # deleted once the run completed
 
 
-@pytest.mark.parametrize("killed_at", [BEFORE_FIRST_CHECKPOINT, BETWEEN_CHECKPOINTS])
+@pytest.mark.parametrize("killed_at", [pytest.param(BEFORE_FIRST_CHECKPOINT, marks=pytest.mark.slow), BETWEEN_CHECKPOINTS])
 def test_secure_kill_then_resume_charges_every_rerelease_and_stops_at_the_budget(tmp_path, killed_at):
     require_real_data()
     run_dir = tmp_path / "run"
@@ -123,18 +126,22 @@ def test_finished_run_cannot_be_resumed(reference):
 
 
 def test_a_seeded_run_that_stopped_in_setup_is_not_resumed_with_other_randomness(tmp_path, monkeypatch):
-    """The seed is scrubbed from the stored config and no mechanism state carries it on yet: a
-    resume would silently draw OS entropy (an unpaired run labelled as the paired one)."""
+    """No file holds the environment's seed and no mechanism state carries it on yet: a resume
+    without it would silently draw OS entropy (an unpaired run labelled as the paired one)."""
     monkeypatch.setenv("DPMUON_DATA_DIR", str(tmp_path / "no-data"))  # setup fails: no train file
-    failed = launch(tmp_path / "run", *SEEDED)
+    monkeypatch.setenv(MECHANISM_SEED_ENV, str(11 << 100))
+    for folder in ("run", "unseeded"):  # made beforehand, as a kill in setup leaves them: a failed
+        (tmp_path / folder).mkdir()  # command removes the new folder it made (launch.remove_if_unused)
+    failed = launch(tmp_path / "run")
     assert failed.wait(timeout=120) == 2 and "no e2e train file" in failed.stderr.read()
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+    monkeypatch.delenv(MECHANISM_SEED_ENV)  # (given again, it would get past the check: tests/training/test_secret.py)
     done = resume(tmp_path / "run")
-    assert done.returncode == 2 and "privacy.mechanism_seed" in done.stderr and "original command" in done.stderr
+    assert done.returncode == 2 and f"resume it with {MECHANISM_SEED_ENV} set" in done.stderr and done.stderr.count("\n") == 1
     unseeded = launch(tmp_path / "unseeded")
     assert unseeded.wait(timeout=120) == 2
     resumed = resume(tmp_path / "unseeded")  # gets past the check to setup (OS entropy, as it would have drawn)
-    assert "original command" not in resumed.stderr and "no e2e train file" in resumed.stderr
+    assert "cannot resume" not in resumed.stderr and "no e2e train file" in resumed.stderr
 
 
 def test_resume_refuses_a_changed_mechanism():
@@ -155,7 +162,9 @@ def test_a_seeded_replay_that_computes_another_gradient_is_redrawn_and_charged(t
     before = kill_after(run_dir, BETWEEN_CHECKPOINTS, *SEEDED)
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     name = "transformer.ln_f.weight"  # not the tied embedding, whose head copy would overwrite it on load
-    state["model"][name] = state["model"][name] + 1e-3  # the replay can no longer match bit for bit
+    # The release is rounded onto the noise's grid (privacy/grid.py), so a change must move the
+    # clipped sum by more than a grid step to change the release: doubling the final norm's gain does.
+    state["model"][name] = state["model"][name] * 2
     torch.save(state, run_dir / "checkpoint.pt")
     done = resume(run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -169,6 +178,7 @@ def test_a_seeded_replay_that_computes_another_gradient_is_redrawn_and_charged(t
     assert summary["mechanism_randomness"].startswith("os entropy")
 
 
+@pytest.mark.slow  # the mirrors' state_dict round trip is tested in seconds by tests/diagnostics
 def test_a_resumed_run_continues_its_oracle_mirrors_where_they_stood(tmp_path):
     """The noise-free mirrors M₀ resume from the secret mechanism state: the oracle rows after a
     kill between checkpoints are those of an uninterrupted run (they restarted from zero before)."""
@@ -185,3 +195,93 @@ def test_a_resumed_run_continues_its_oracle_mirrors_where_they_stood(tmp_path):
     assert [r["oracle_snr"] for r in resumed] == [r["oracle_snr"] for r in uninterrupted]
     assert resumed == uninterrupted
     assert "oracle" not in torch.load(killed / "checkpoint.pt", weights_only=False)  # M₀ never enters the shareable checkpoint
+
+
+# ---- the ledger a resume continues must be the one the run wrote -------------------------------
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A run SIGKILLed after step 5: checkpoint and mechanism state at step 4, ledger through step 5."""
+    require_real_data()
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
+    kill_after(run_dir, BETWEEN_CHECKPOINTS)
+    return run_dir
+
+
+def _lines(run_dir) -> list[bytes]:
+    return (run_dir / "privacy_ledger.jsonl").read_bytes().split(b"\n")[:-1]
+
+
+def _write_lines(run_dir, lines: list[bytes]) -> None:
+    (run_dir / "privacy_ledger.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
+
+
+def _another_runs_ledger(run_dir) -> None:
+    """The same data, the same releases, but another run's chain (its own run ID)."""
+    records = ledger(run_dir)
+    identity = {k: v for k, v in records[0].items() if k not in ("kind", "format", "run_id")}
+    (run_dir / "privacy_ledger.jsonl").unlink()
+    other = PrivacyLedger(run_dir / "privacy_ledger.jsonl", identity)
+    for r in records[1:]:
+        other.record(r["step"], r["noise_multiplier"], r["sample_rate"], r["release_sha256"])
+
+
+def _before_the_first_checkpoint(damage):
+    def tamper(run_dir) -> None:  # what a kill before the first checkpoint leaves: the state saved at step 0
+        (run_dir / "checkpoint.pt").unlink()
+        damage(run_dir)
+
+    return tamper
+
+
+def _uncharge_the_first_release(run_dir) -> None:
+    lines = _lines(run_dir)
+    _write_lines(run_dir, [lines[0], lines[1].replace(b'"charged": true', b'"charged": false'), *lines[2:]])
+
+
+def _delete(run_dir) -> None:
+    (run_dir / "privacy_ledger.jsonl").unlink()
+
+
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (_delete, "privacy_ledger.jsonl is missing but checkpoint.pt records 5 lines: the ledger was deleted"),
+        (lambda d: _write_lines(d, _lines(d)[:1] + _lines(d)[3:]), "privacy_ledger.jsonl:2: 'prev' is not the hash of line 1"),
+        (lambda d: _write_lines(d, _lines(d)[:4]), "checkpoint.pt records 5 lines, the ledger has 4"),
+        (_uncharge_the_first_release, "privacy_ledger.jsonl:3: 'prev' is not the hash of line 2"),
+        (_another_runs_ledger, "privacy_ledger.jsonl:5: this is not the line checkpoint.pt recorded"),
+        (_before_the_first_checkpoint(_delete), "privacy_ledger.jsonl is missing but mechanism_state.pt records 5 lines"),
+        (_before_the_first_checkpoint(_another_runs_ledger), "privacy_ledger.jsonl:1: this is not the line mechanism_state.pt recorded"),
+    ],
+    ids=["deleted", "middle-removed", "tail-removed", "charged-flipped", "swapped", "deleted-before-checkpoint", "swapped-before-checkpoint"],
+)
+def test_a_resume_refuses_a_ledger_that_was_deleted_truncated_edited_or_swapped(tmp_path, killed, tamper, message):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed, run_dir)
+    tamper(run_dir)
+    left = (run_dir / "privacy_ledger.jsonl").read_bytes() if (run_dir / "privacy_ledger.jsonl").exists() else None
+    torch.set_num_threads(1)
+    with pytest.raises(UserError, match=message):
+        run(compose_config(*OVERRIDES, f"resume={run_dir}"), run_dir)
+    if left is None:
+        assert not (run_dir / "privacy_ledger.jsonl").exists()  # no new ledger started under the old releases
+    else:
+        assert (run_dir / "privacy_ledger.jsonl").read_bytes() == left  # refused, never truncated or rewritten
+    assert not list(run_dir.glob("privacy_ledger.jsonl.damaged-*"))
+
+
+def test_a_torn_last_line_is_set_aside_whole_and_the_resumed_run_completes(tmp_path, killed):
+    run_dir = tmp_path / "run"
+    shutil.copytree(killed, run_dir)
+    intact = (run_dir / "privacy_ledger.jsonl").read_bytes()
+    with open(run_dir / "privacy_ledger.jsonl", "ab") as f:
+        f.write(b'{"charged": true, "kind": "release", "noise_mul')  # the kill cut the next line short
+    torn = (run_dir / "privacy_ledger.jsonl").read_bytes()
+    torch.set_num_threads(1)
+    summary = run(compose_config(*OVERRIDES, f"resume={run_dir}"), run_dir)
+    assert (run_dir / "privacy_ledger.jsonl.damaged-1").read_bytes() == torn  # every byte kept
+    after = (run_dir / "privacy_ledger.jsonl").read_bytes()
+    assert after.startswith(intact) and after.count(b"\n") > intact.count(b"\n")  # continued, chained on
+    assert summary["releases_charged"] == sum(r["charged"] for r in ledger(run_dir)[1:])  # ε is the ledger's

@@ -40,7 +40,9 @@ def collect_defaults(config_dir: str) -> dict:
     values: dict = {}
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         base = compose(config_name="config")
-        values["__choices__"] = {group: OmegaConf.select(base, f"{group}.name") for group in GROUPS}
+        # From the defaults list, not a `name` key: conf/privacy/*.yaml have none.
+        chosen = compose(config_name="config", return_hydra_config=True).hydra.runtime.choices
+        values["__choices__"] = {group: chosen.get(group) for group in GROUPS}
         _record(values, "", base)
         for group in GROUPS:
             for name in group_options(config_dir, group):
@@ -66,11 +68,11 @@ def section_header(section: str, choices: dict, chosen: dict) -> str:
 def option_line(option: Option, values: dict) -> str:
     """`key  valid  default  help`, then each group option's value where they differ (or the
     default config lacks the key)."""
-    default = shown_value(option.key, values[""]) if "" in values else "-"
+    default = shown_value(values[""]) if "" in values else "-"
     line = f"  {option.key:<38} {option.valid():<34} {default:<14} {option.help}"
     by_option = {label: value for label, value in values.items() if label}
-    differs = len({shown_value(option.key, v) for v in by_option.values()}) > 1 or "" not in values
+    differs = len({shown_value(v) for v in by_option.values()}) > 1 or "" not in values
     names_itself = all(str(v) == label for label, v in by_option.items())  # e.g. dataset.name
     if by_option and differs and not names_itself:
-        line += "\n" + " " * 6 + "per option: " + ", ".join(f"{label} {shown_value(option.key, v)}" for label, v in by_option.items())
+        line += "\n" + " " * 6 + "per option: " + ", ".join(f"{label} {shown_value(v)}" for label, v in by_option.items())
     return line

@@ -10,6 +10,7 @@ read or loaded, so a mistyped or out-of-range value ends in one line naming the 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import os
 from collections.abc import Callable
@@ -22,8 +23,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import UserError
 
-SECRET_OPTIONS = {"privacy.mechanism_seed"}  # its value regenerates every lot and noise draw
-HIDDEN = "<hidden>"
 ABSENT = object()
 
 
@@ -32,12 +31,10 @@ class ConfigError(UserError):
 
     def __init__(self, key: str, value: Any, problem: str, valid: str):
         self.key, self.problem, self.valid = key, problem, valid
-        super().__init__(f"{key}={shown_value(key, value)}: {one_line(problem)}; valid: {valid}")
+        super().__init__(f"{key}={shown_value(value)}: {one_line(problem)}; valid: {valid}")
 
 
-def shown_value(key: str, value: Any) -> str:
-    if key in SECRET_OPTIONS and value is not None:
-        return HIDDEN
+def shown_value(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -46,9 +43,12 @@ def shown_value(key: str, value: Any) -> str:
 
 
 def one_line(text: str) -> str:
-    """The first line of a (library) message, so an error stays one line."""
+    """The first line of a (library) message, so an error stays one line; a first line that
+    announces a list ("… from one of:") is joined with the lines it announces."""
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    return lines[0] if lines else "invalid"
+    if not lines:
+        return "invalid"
+    return " ".join(lines) if lines[0].endswith(":") else lines[0]
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Option:
         if self.kind == "bool":
             text = "true or false"
         elif self.kind == "choice":
-            text = " | ".join(shown_value("", choice) for choice in self.choices)
+            text = " | ".join(shown_value(choice) for choice in self.choices)
         elif self.kind in ("float", "int"):
             bounds = [f"{op} {_number(b)}" for op, b in ((">", self.gt), (">=", self.ge), ("<", self.lt)) if b is not None]
             text = ("an integer" if self.kind == "int" else "a number") + (" " + " and ".join(bounds) if bounds else "")
@@ -87,6 +87,8 @@ class Option:
             text = "[β1, β2] with 0 <= β < 1"
         elif self.kind == "mapping":
             text = "a mapping, e.g. {e2e: 1e-3}"
+        elif self.kind == "ns_coefficients":
+            text = "quintic | series:K (K >= 1) | [c0, c1, ...]"
         elif self.kind == "any":
             text = "see the help"
         else:
@@ -177,6 +179,19 @@ def _check_betas(option: Option, value: Any) -> str | None:
     return None if numbers and len(value) == 2 and all(0 <= b < 1 for b in value) else "needs two numbers in [0, 1)"
 
 
+def _check_ns_coefficients(option: Option, value: Any) -> str | None:
+    """What optim/newton_schulz.resolve_coefficients takes, checked without importing torch."""
+    if isinstance(value, str):
+        order = value.removeprefix("series:")
+        if value == "quintic" or (value.startswith("series:") and order.isdigit() and int(order) >= 1):
+            return None
+        return "not quintic or series:K"
+    if isinstance(value, (list, tuple)) and value:
+        numbers = all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in value)
+        return None if numbers else "not a list of finite numbers"
+    return "not a name or a non-empty list"
+
+
 CHECKS: dict[str, Callable[[Option, Any], str | None]] = {
     "float": _check_number,
     "int": _check_number,
@@ -188,6 +203,7 @@ CHECKS: dict[str, Callable[[Option, Any], str | None]] = {
     "list": _check_list,
     "mapping": _check_mapping,
     "betas": _check_betas,
+    "ns_coefficients": _check_ns_coefficients,
     "any": lambda option, value: None,
 }
 
@@ -256,7 +272,7 @@ OPTIONS: tuple[Option, ...] = (
     Float("optimizer.eps", "Adam ε", gt=0),
     Choice("optimizer.momentum_kind", ("heavy_ball", "ema"), "Muon momentum: m = βm + g, or m = βm + (1-β)g"),
     Int("optimizer.ns_steps", "Newton–Schulz iterations", ge=1),
-    Option("optimizer.ns_coefficients", "any", "Newton–Schulz polynomial: quintic | series:K | [a, b, c]"),
+    Option("optimizer.ns_coefficients", "ns_coefficients", "Newton–Schulz polynomial: quintic | series:K | [a, b, c]"),
     Choice("optimizer.ns_normalize", ("frobenius", "max1"), "normalisation before Newton–Schulz"),
     Choice("optimizer.ns_dtype", ("bfloat16",), "Newton–Schulz dtype (null: the parameter's)", nullable=True),
     Choice("optimizer.update_scale", ("adam_rms", "reference", "none"), "Muon update scale"),
@@ -267,6 +283,8 @@ OPTIONS: tuple[Option, ...] = (
     Float("optimizer.bias_correction.probe_scale", "DP-MuonBC probe scale ρ / s", gt=0),
     Int("optimizer.bias_correction.num_probes", "DP-MuonBC antithetic probe pairs K", ge=1),
     Float("optimizer.bias_correction.min_snr", "correct only where the public SNR estimate exceeds this (null: always)", nullable=True),
+    Bool("optimizer.bias_correction.match_norm", "rescale F_BC(M) per matrix to ‖F(M)‖_F: the correction changes only the direction"),
+    Choice("optimizer.bias_correction.noise_std", ("buffer", "step"), "DP-MuonBC's s: the momentum buffer's noise std, or one step's release"),
     # ---- privacy
     Float("privacy.target_epsilon", "ε of the (ε, δ) guarantee", gt=0),
     Float("privacy.delta", "δ of the guarantee; must be < 1/N", gt=0, lt=1),
@@ -281,7 +299,8 @@ OPTIONS: tuple[Option, ...] = (
     Choice("privacy.noise_allocation", ("uniform", "proportional"), "noise over blocks"),
     Choice("privacy.engine", ("fast", "opacus"), "per-example gradient engine"),
     Bool("privacy.secure_noise", "lots and noise from the OS CSPRNG (nothing seeded; slower)"),
-    Int("privacy.mechanism_seed", "secret seed of lots and noise (null: fresh OS entropy); never printed", nullable=True),
+    Bool("privacy.constant_time", "pad every lot to a fixed bound and fixed shapes, so step time reveals nothing (costs the padding)"),
+    Option("privacy.mechanism_seed_file", "text", "owner-only file holding the mechanism seed (null: $DPMUON_MECHANISM_SEED, else OS entropy)", nullable=True),
     Bool("privacy.keep_mechanism_state", "keep <run>/mechanism_state.pt after the run completes"),
     # ---- trainer
     Choice("trainer.device", ("auto", "cpu", "cuda"), "where to train"),
@@ -304,7 +323,10 @@ OPTIONS: tuple[Option, ...] = (
     Int("eval.max_new_tokens", "longest generation", ge=1),
     Int("eval.batch_size", "evaluation batch (NLL uses 4×)", ge=1),
     # ---- logging
-    Bool("logging.nonprivate_diagnostics", "log train loss, lot size, clip fractions, timings (not covered)"),
+    Choice(
+        "logging.nonprivate_diagnostics", (False, "file", "publish", True),
+        "train loss, lot size, clip fractions, timings (not covered): file (owner-only diagnostics.jsonl) | publish (metrics, W&B too; true)",
+    ),  # fmt: skip
     Bool("logging.oracle_alignment", "Muon: log true SNR and F(M)/F_BC(M) alignment with the noise-free buffer (not covered)"),
     Int("logging.epsilon_every", "compute ε spent every N steps (and at the last)", ge=1),
     Bool("logging.progress", "progress bars"),
@@ -335,11 +357,62 @@ def configured(cfg: DictConfig, key: str) -> Any:
 
 def validate(cfg: DictConfig) -> None:
     """Check every declared option that the composed config sets; raise ConfigError on the first bad one."""
+    _check_known_keys(cfg)
     for option in OPTIONS:
         value = configured(cfg, option.key)
         if value is not ABSENT:
             option.check(value)
     _check_heads(cfg)
+    _check_sampling(cfg)
+    _check_lot_fits(cfg)
+
+
+# Options whose value is a whole mapping or list: the keys below them are the value's own.
+CONTAINER_KINDS = {"mapping", "list", "betas", "ns_coefficients", "any"}
+
+
+def is_option(key: str) -> bool:
+    """A declared option, or a key inside a declared mapping (optimizer.recipe_lr.e2e)."""
+    return key in BY_KEY or any(key.startswith(f"{name}.") for name, option in BY_KEY.items() if option.kind in CONTAINER_KINDS)
+
+
+def unknown_option(key: str, value: Any) -> ConfigError:
+    """`key=value: not an option`, with the declared keys it is closest to."""
+    near = difflib.get_close_matches(key, BY_KEY, n=3, cutoff=0.75)
+    hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+    return ConfigError(key, value, "not an option", f"an option listed by python -m dpmuon.train --options{hint}")
+
+
+def _check_known_keys(cfg: DictConfig) -> None:
+    """Every key of the config is declared: a `+key=` or a YAML typo would otherwise be ignored."""
+
+    def walk(prefix: str, node: Any):
+        if isinstance(node, dict) and node and prefix not in BY_KEY:
+            for key, value in node.items():
+                if not (prefix == "" and key == "hydra"):  # Hydra's own section, where a caller kept it
+                    yield from walk(f"{prefix}.{key}" if prefix else str(key), value)
+        else:
+            yield prefix, node
+
+    for key, value in walk("", OmegaConf.to_container(cfg, resolve=False)):
+        if not is_option(key):
+            raise unknown_option(key, value)
+
+
+def _check_sampling(cfg: DictConfig) -> None:
+    """Shuffled lots are drawn from a seeded permutation: the OS CSPRNG cannot draw them."""
+    secure = configured(cfg, "optimizer.private") is True and configured(cfg, "privacy.secure_noise") is True
+    if secure and configured(cfg, "privacy.sampling") == "shuffle":
+        raise ConfigError("privacy.sampling", "shuffle", "cannot be drawn from the OS CSPRNG (privacy.secure_noise=true)", "poisson (or secure_noise=false)")
+
+
+def _check_lot_fits(cfg: DictConfig) -> None:
+    """A lot larger than the training set can be refused before the data is read when its size is capped."""
+    lot, cap = configured(cfg, "privacy.expected_lot_size"), configured(cfg, "data.max_train_examples")
+    if ABSENT not in (lot, cap) and cap is not None and lot > cap:
+        raise ConfigError(
+            "privacy.expected_lot_size", lot, f"more than data.max_train_examples={cap} (the training set holds at most that many)", f"an integer in [1, {cap}]"
+        )
 
 
 def _check_heads(cfg: DictConfig) -> None:
@@ -373,6 +446,8 @@ def _explain(option: Option, value: Any, err: BaseException) -> tuple[str, str]:
         return one_line(err), option.valid()
     hint = HUB_HINT.format(key=option.key)
     if Path(value).expanduser().is_dir():
+        if not any(Path(value).expanduser().iterdir()):
+            return f"the local directory {value} is empty", hint
         return f"cannot load from the local directory {value} ({one_line(err)})", hint
     # The hub's own message is several lines about caches and connections; the cause is one of two.
     return "not a local directory, and the Hugging Face hub could not provide it (offline, or no such id)", hint

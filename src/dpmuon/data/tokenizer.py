@@ -10,6 +10,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dpmuon.data.errors import DataError
+from dpmuon.jsontext import to_json
 
 TOKENIZER_VARIABLE = "DPMUON_TOKENIZER"
 DEFAULT_TOKENIZER = "gpt2"
@@ -62,5 +63,5 @@ def truncate_bpe(tokenizer: PreTrainedTokenizerBase, merges: int) -> PreTrainedT
         kept[tokenizer.eos_token] = eos_id
         model["vocab"], model["merges"] = kept, model["merges"][:merges]
         spec["added_tokens"] = [dict(t, id=eos_id) for t in spec["added_tokens"] if t["content"] == tokenizer.eos_token]
-        spec_file.write_text(json.dumps(spec), encoding="utf-8")
+        spec_file.write_text(to_json(spec), encoding="utf-8")
         return AutoTokenizer.from_pretrained(tmp)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -13,9 +16,12 @@ from dpmuon.eval.runs import Run, RunFormatError, find_runs
 from dpmuon.eval.snr import write_snr_plot
 from dpmuon.eval.sweeps import write_sweep_plots
 from dpmuon.eval.tables import write_tables
+from dpmuon.paths import REPO_ROOT
 
 # argparse's own convention for usage errors; also used for unusable input.
 USAGE_ERROR = 2
+# The default output folder, inside the first RUNS_DIR: never the committed results/.
+DEFAULT_OUT = "report"
 
 
 def tables_main(argv: Sequence[str] | None = None) -> int:
@@ -85,17 +91,60 @@ def _main(
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("runs_dirs", nargs="+", type=Path, metavar="RUNS_DIR",
                         help="run directories, or folders searched recursively for summary.json")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("results"), help="output folder (default: results)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"output folder (default: RUNS_DIR/{DEFAULT_OUT}, beside the runs it reads)")  # fmt: skip
+    parser.add_argument("--force", action="store_true",
+                        help="replace committed files (tracked by git, or under the repository's results/)")  # fmt: skip
     args = parser.parse_args(argv)
+    out = args.out if args.out is not None else args.runs_dirs[0] / DEFAULT_OUT
     try:
+        if out.exists() and not out.is_dir():
+            raise RunFormatError(f"--out {out} is a file, not a folder")
         runs = find_runs(args.runs_dirs)
         if not runs:
             raise RunFormatError(f"no runs (summary.json) found under {', '.join(map(str, args.runs_dirs))}")
-        written = write(runs, args.out)
+        written = _write_without_clobbering(lambda folder: write(runs, folder), out, args.force)
     except RunFormatError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except OSError as error:  # a read-only or otherwise unusable output folder
+        print(f"{prog}: error: cannot write to {out}: {error.strerror or error}"
+              + (f" ({error.filename})" if error.filename else ""), file=sys.stderr)  # fmt: skip
         return USAGE_ERROR
     print(f"Wrote {what} for {len(runs)} runs:")
     for path in written:
         print(f"  {path}")
     return 0
+
+
+def _write_without_clobbering(write: Callable[[Path], list[Path]], out: Path, force: bool) -> list[Path]:
+    """Write into a scratch folder, then move each file to `out`: a committed file there that
+    would change is replaced only with `force`, and then nothing is written at all."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".scratch-") as scratch:
+        made = write(Path(scratch))
+        targets = {path: out / path.relative_to(scratch) for path in made}
+        changed = [t for p, t in targets.items() if t.exists() and t.read_bytes() != p.read_bytes()]
+        protected = [t for t in changed if _committed(t)]
+        if protected and not force:
+            shown = ", ".join(map(str, protected[:3])) + (f" and {len(protected) - 3} more" if len(protected) > 3 else "")
+            raise RunFormatError(
+                f"would overwrite committed file(s) {shown}; pass --force to replace them, or --out to write elsewhere"
+            )
+        for path, target in targets.items():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+    return list(targets.values())
+
+
+def _committed(path: Path) -> bool:
+    """Under the repository's results/, or tracked by git: a committed result, not scratch output."""
+    resolved = path.resolve()
+    if resolved.is_relative_to(REPO_ROOT / "results"):
+        return True
+    try:
+        done = subprocess.run(["git", "ls-files", "--error-unmatch", str(resolved)], cwd=resolved.parent,
+                              capture_output=True, check=False)  # fmt: skip
+    except OSError:  # no git: nothing is tracked
+        return False
+    return done.returncode == 0

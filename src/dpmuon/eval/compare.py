@@ -1,8 +1,10 @@
 """Paired comparisons between optimizers: differences per seed, relative to the seed spread.
 
-Runs of different optimizers with the same seed share their lots and noise streams (the
-sampler and noise generators are seeded from the run seed), so per-seed differences remove
-much of the between-seed variation. For each pair (A, B) and metric this reports the mean
+Runs of different optimizers with the same seed start from the same initial weights (`seed`
+drives the public randomness), so per-seed differences remove that part of the between-seed
+variation. Their lots and noise are shared too only where the mechanism's randomness came
+from the seed (runs from before secret mechanism randomness, or given one user mechanism
+seed); by default each run draws its own from OS entropy. For each pair (A, B) and metric this reports the mean
 difference A − B over the seeds both ran, its sample standard deviation, and on how many
 seeds A was better — the evidence behind statements like "DP-MuonBC > DP-Muon".
 """
@@ -32,8 +34,10 @@ def comparison_markdown(dataset: str, runs: Sequence[Run]) -> str:
     lines = [
         f"# {dataset}: paired differences between optimizers",
         "",
-        "Per seed, A − B (same seed = same lots and noise streams); mean ± sample std over seeds, and "
-        "the number of seeds on which A was better. Lower NLL is better; higher BLEU / ROUGE-L are.",
+        "Per seed, A − B: runs of one seed start from the same initial weights; they share lots and noise only "
+        "where the mechanism's randomness came from that seed (not by default: each run draws its own). Mean ± "
+        "sample std over seeds, and the number of seeds on which A was better. Lower NLL is better; higher "
+        "BLEU / ROUGE-L are.",
         "",
         "| A | B | " + " | ".join(f"Δ {header}" for header, _, _ in METRICS.values()) + " |",
         "|---|---|" + "---|" * len(METRICS),

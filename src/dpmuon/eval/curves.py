@@ -1,12 +1,15 @@
 """Training curves per dataset: validation NLL, train loss and ε spent against step.
 
 One line per run group (see grouping.py): the mean over the group's seeds, with a band from
-the minimum to the maximum over seeds. Figures are built on matplotlib's Agg canvas directly,
+the minimum to the maximum over seeds where a group has more than one. Each optimizer has its
+color and marker (DP methods share one ε curve, which would otherwise hide three of them), the
+ε panel marks the target ε, and a run whose values went non-finite is labelled diverged. Figures are built on matplotlib's Agg canvas directly,
 without pyplot, so no global backend state is touched.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from dpmuon.config.roster import optimizer_roster
 from dpmuon.eval.grouping import RunGroup, group_runs, runs_by_dataset
@@ -26,8 +30,15 @@ OPTIMIZER_COLORS = {entry.name: entry.color for entry in optimizer_roster()}
 _OTHER_COLORS = ("#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 # Groups of one optimizer that differ in model or target ε share its color, not its line style.
 _LINE_STYLES = ("-", "--", ":", "-.")
+# A marker per optimizer, in roster order, on a few points each, offset so that equal curves
+# (every DP method's ε) still show every method's markers.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+OPTIMIZER_MARKERS = {name: _MARKERS[i % len(_MARKERS)] for i, name in enumerate(OPTIMIZER_COLORS)}
+MARKED_POINTS = 8
 BAND_NOTE = "line: mean over seeds; band: min–max over seeds"
+ONE_RUN_NOTE = "one run per line"
 NOT_LOGGED = "not logged"
+DIVERGED = "diverged"
 # Matplotlib otherwise stamps its version into the PNG; leaving it out keeps files reproducible.
 _PNG_METADATA = {"Software": None}
 
@@ -62,11 +73,12 @@ def run_series(rows: Sequence[dict], key: str) -> dict[int, float]:
     return {row["step"]: float(row[key]) for row in rows if row.get(key) is not None}
 
 
-def aggregate_curves(runs: Sequence[Run], key: str) -> list[tuple[RunGroup, CurveBand]]:
-    """The curve of `key` for each group of one dataset's runs that logged it, in table order."""
+def aggregate_curves(runs: Sequence[Run], key: str, diagnostics: bool = True) -> list[tuple[RunGroup, CurveBand]]:
+    """The curve of `key` for each group of one dataset's runs that logged it, in table order
+    (diagnostics=False: from metrics.jsonl alone, leaving out the runs' diagnostics.jsonl)."""
     curves = []
     for group in group_runs(runs):
-        series = [run_series(run.load_metrics(), key) for run in group.runs]
+        series = [run_series(run.load_metrics(diagnostics), key) for run in group.runs]
         steps = sorted({step for per_run in series for step in per_run})
         if not steps:
             continue
@@ -89,46 +101,69 @@ def optimizer_color(optimizer: str) -> str:
     return _OTHER_COLORS[zlib.crc32(optimizer.encode()) % len(_OTHER_COLORS)]
 
 
-def write_curves(runs: Sequence[Run], out_dir: Path) -> list[Path]:
-    """Write curves.png and one PNG per panel for every dataset under `out_dir/<dataset>/`."""
+def write_curves(runs: Sequence[Run], out_dir: Path, diagnostics: bool = True) -> list[Path]:
+    """Write curves.png and one PNG per panel for every dataset under `out_dir/<dataset>/`.
+
+    diagnostics: whether the train-loss panel may show private runs' owner-only diagnostics
+    (not covered by their guarantee); False draws only what metrics.jsonl publishes.
+    """
     written = []
     for dataset, dataset_runs in runs_by_dataset(runs).items():
         folder = Path(out_dir) / dataset
         folder.mkdir(parents=True, exist_ok=True)
-        curves = {panel.key: aggregate_curves(dataset_runs, panel.key) for panel in PANELS}
+        curves = {panel.key: aggregate_curves(dataset_runs, panel.key, diagnostics) for panel in PANELS}
+        several = any(len(group.runs) > 1 for panel in curves.values() for group, _ in panel)
+        note = BAND_NOTE if several else ONE_RUN_NOTE
+        any_diverged = any(map(diverged, dataset_runs))
 
         combined = new_figure(width=5.2 * len(PANELS))
         for axes, panel in zip(combined.subplots(1, len(PANELS)), PANELS):
-            draw_panel(axes, panel, curves[panel.key])
-        combined.suptitle(f"{dataset} ({BAND_NOTE})")
+            draw_panel(axes, panel, curves[panel.key], any_diverged)
+        combined.suptitle(f"{dataset} ({note})")
         written.append(save_figure(combined, folder / "curves.png"))
 
         for panel in PANELS:
             single = new_figure(width=6.0)
-            draw_panel(single.subplots(), panel, curves[panel.key])
-            single.suptitle(f"{dataset} ({BAND_NOTE})", fontsize="medium")
+            draw_panel(single.subplots(), panel, curves[panel.key], any_diverged)
+            single.suptitle(f"{dataset} ({note})", fontsize="medium")
             written.append(save_figure(single, folder / panel.file_name))
     return written
 
 
-def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]]) -> None:
+def diverged(run: Run) -> bool:
+    """The run's loss or metrics went non-finite: its stop reason says so (newer runs), or its
+    summary holds a NaN (older runs wrote them as bare NaN)."""
+    if str(run.summary.get("stop_reason") or "").startswith("non-finite"):
+        return True
+    return any(isinstance(run.summary.get(key), float) and not math.isfinite(run.summary[key]) for key in ("test_nll", "val_nll"))
+
+
+def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]], any_diverged: bool = False) -> None:
     axes.set_title(panel.title)
-    if not curves:
-        axes.text(0.5, 0.5, NOT_LOGGED, ha="center", va="center", transform=axes.transAxes, color="gray")
+    if not curves:  # (a diverged run logs its non-finite values as null: nothing to draw)
+        axes.text(0.5, 0.5, DIVERGED if any_diverged else NOT_LOGGED, ha="center", va="center", transform=axes.transAxes, color="gray")
         axes.set_xticks([])
         axes.set_yticks([])
         return
     variants_seen: dict[str, int] = {}
-    for group, band in curves:
+    for index, (group, band) in enumerate(curves):
         optimizer = group.key.optimizer
         variant = variants_seen.get(optimizer, 0)
         variants_seen[optimizer] = variant + 1
         color = optimizer_color(optimizer)
+        every = max(len(curves), len(band.steps) // MARKED_POINTS)  # each curve's markers on its own steps
+        label = f"{group.label} (n={len(group.runs)}{', diverged' if any(map(diverged, group.runs)) else ''})"
         axes.plot(
             band.steps, band.mean, color=color, linestyle=_LINE_STYLES[variant % len(_LINE_STYLES)],
-            marker="o" if len(band.steps) == 1 else None, label=f"{group.label} (n={len(group.runs)})",
+            marker=OPTIMIZER_MARKERS.get(optimizer, "o"), markersize=4, markevery=(index % every, every), label=label,
         )  # fmt: skip
-        axes.fill_between(band.steps, band.low, band.high, color=color, alpha=0.2, linewidth=0)
+        if len(group.runs) > 1:
+            axes.fill_between(band.steps, band.low, band.high, color=color, alpha=0.2, linewidth=0)
+    if panel.key == "epsilon":
+        targets = sorted({group.key.target_epsilon for group, _ in curves if group.key.target_epsilon is not None})
+        for i, target in enumerate(targets):
+            axes.axhline(target, color="black", linestyle=":", linewidth=1, label="target ε" if i == 0 else None)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     axes.set_xlabel("step")
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")

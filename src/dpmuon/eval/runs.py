@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ from omegaconf import OmegaConf
 
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+# A private run's non-private diagnostics (train loss, lot size, ...), owner-only, beside it.
+DIAGNOSTICS_FILE = "diagnostics.jsonl"
 
 REQUIRED_SUMMARY_KEYS = (
     "dataset", "optimizer", "model", "seed", "target_epsilon", "epsilon", "delta",
@@ -55,10 +57,10 @@ class RunSummary:
     steps: int
     planned_steps: int
     releases_charged: int | None
+    release_slack: dict | None  # per charged release, beyond the ideal Gaussian (privacy/accountant.py ReleaseSlack)
     stopped_by_budget_guard: bool
     stop_reason: str | None
     mechanism_randomness: str | None
-    data_fingerprint: str
     validation_split: str | None
     accountant: str
     clip_mode: str | None
@@ -78,6 +80,10 @@ class RunSummary:
     metric_implementations: dict[str, str]
     test_sources: int
     train_seconds: float | None = None  # only with non-private diagnostics on: it times the lots
+    max_lot_size: int | None = None  # constant-time lots: the rows every step processed (None: lots as drawn)
+    # Values outside the guarantee in the run's published record (metrics.jsonl, W&B, this file);
+    # "oracle_*" stands for the oracle-alignment fields. [] when none were published.
+    nonprivate_values_logged: list[str] = field(default_factory=list)
     git_commit: str | None
     command: str
     run_dir: str
@@ -136,9 +142,21 @@ class Run:
                 return learning_rates(OmegaConf.load(config).optimizer)
         raise RunFormatError(f"{self.path / SUMMARY_FILE}: no 'learning_rates', and no config.yaml beside it to read them from")
 
-    def load_metrics(self) -> list[dict[str, Any]]:
-        """The logged rows in file order; empty when the run logged none."""
-        return read_metrics(self.path / METRICS_FILE)
+    def load_metrics(self, diagnostics: bool = False) -> list[dict[str, Any]]:
+        """The logged rows in file order; empty when the run logged none. diagnostics=True adds
+        to each row the non-private diagnostics of its step from the owner-only diagnostics.jsonl
+        (a private run's since that file exists; older runs logged them in metrics.jsonl)."""
+        return read_run_rows(self.path, diagnostics)
+
+
+def read_run_rows(run_dir: Path, diagnostics: bool = False) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows of a run directory, with diagnostics=True each merged with the
+    diagnostics.jsonl row of the same step (train loss, lot size, oracle alignment, ...)."""
+    rows = read_metrics(Path(run_dir) / METRICS_FILE)
+    if not diagnostics:
+        return rows
+    by_step = {row["step"]: row for row in read_metrics(Path(run_dir) / DIAGNOSTICS_FILE)}
+    return [{**row, **by_step.get(row["step"], {})} for row in rows]
 
 
 def learning_rates(optimizer_config) -> dict[str, float]:

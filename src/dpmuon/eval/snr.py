@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from dpmuon.eval.curves import BAND_NOTE, CurveBand, aggregate_curves, new_figure, optimizer_color, save_figure
+from dpmuon.eval.curves import BAND_NOTE, ONE_RUN_NOTE, CurveBand, aggregate_curves, new_figure, optimizer_color, save_figure
 from dpmuon.eval.grouping import runs_by_dataset
 from dpmuon.eval.runs import Run
 
@@ -30,14 +30,16 @@ def write_snr_plot(runs: Sequence[Run], out_dir: Path) -> list[Path]:
         for group, band in curves:
             color = optimizer_color(group.key.optimizer)
             axes.plot(band.steps, band.mean, color=color, label=f"{group.label} (n={len(group.runs)})")
-            axes.fill_between(band.steps, band.low, band.high, color=color, alpha=0.2, linewidth=0)
+            if len(group.runs) > 1:
+                axes.fill_between(band.steps, band.low, band.high, color=color, alpha=0.2, linewidth=0)
         axes.axhline(1.0, color="gray", linestyle=":", linewidth=1, label="SNR = 1")
         axes.set_yscale("log")
         axes.set_xlabel("step")
         axes.set_ylabel("median over matrices of SNR(M)")
         axes.grid(alpha=0.3, which="both")
         axes.legend(fontsize="small")
-        figure.suptitle(f"{dataset}: momentum-buffer SNR from released quantities\n({BAND_NOTE})", fontsize="medium")
+        note = BAND_NOTE if any(len(group.runs) > 1 for group, _ in curves) else ONE_RUN_NOTE
+        figure.suptitle(f"{dataset}: momentum-buffer SNR from released quantities\n({note})", fontsize="medium")
         written.append(save_figure(figure, folder / "snr.png"))
         written.append(_write_csv(curves, folder / "snr.csv"))
     return written

@@ -123,7 +123,7 @@ class TableRow:
             key.model,
             target,
             NOT_APPLICABLE if self.epsilon_spent is None else self.epsilon_spent.display(EPSILON_DECIMALS),
-            f"{len(self.seeds)} ({', '.join(map(str, self.seeds))})",
+            f"{len(self.seeds)} (seed{'s' if len(self.seeds) > 1 else ''} {', '.join(map(str, self.seeds))})",
         ]
         cells += [self.metrics[column.key].display(column.decimals) for column in self.columns]
         cells += [self._paper_cell(column) for column in PAPER_COLUMNS]
@@ -152,7 +152,7 @@ def table_columns(rows: Sequence[TableRow]) -> tuple[MetricColumn, ...]:
 
 def table_headers(rows: Sequence[TableRow]) -> tuple[str, ...]:
     return (
-        ("optimizer", "model", "target ε", "ε spent (mean)", "seeds (n)")
+        ("optimizer", "model", "target ε", "ε spent (mean)", "n (seeds)")
         + tuple(column.header for column in table_columns(rows))
         + tuple(f"paper: {column.header}" for column in PAPER_COLUMNS)
     )
@@ -321,18 +321,27 @@ def _study_group_note(group: study.StudyGroup, tuning: set[study.RunRecord]) -> 
         parts.append((f"the {_dp_runs(len(from_tuning))} in `tuning/` beside `runs/` (the learning-rate search)", from_tuning))
     if from_table and from_tuning:
         parts.append((f"all {len(private)} together", private))
-    costs = "; ".join(f"{label}: ε = {study.composed_epsilon(members, delta):.2f}" for label, members in parts)
+    costs = "; ".join(f"{label}: {_study_cost(study.study_epsilon(members, delta))}" for label, members in parts)
     at_delta = "" if delta is None else f", δ = {delta:g}"
+    alone = "" if group.runs_without_secret_randomness else "; the ε spent column holds for each run alone"
     lines = [f"- Study-level privacy on {group.label()}{at_delta}: {costs or 'no DP runs'}. PRV composition of "
-             "every charged release (`python -m dpmuon.privacy.study`); the ε spent column holds for each run alone."]  # fmt: skip
-    if any(run.source == study.RECONSTRUCTED for run in group.runs):
+             f"every charged release (`python -m dpmuon.privacy.study`){alone}."]  # fmt: skip
+    if any(run.source == study.RECONSTRUCTED for run in group.private_runs):  # a non-private run has no releases
         lines.append("  Releases are reconstructed from each run's summary.json (runs from before privacy ledgers).")
     if group.non_private_runs:
         optimizers = ", ".join(sorted({run.optimizer or "unknown" for run in group.non_private_runs}))
         lines.append(f"  **{_runs(len(group.non_private_runs))} ({optimizers}) trained on these examples without noise: "
                      "a study that publishes them gives this data no privacy guarantee (ε = ∞); the figures "
                      "above count the DP runs only.**")  # fmt: skip
+    if group.runs_without_secret_randomness:
+        lines.append(f"  **{_dp_runs(len(group.runs_without_secret_randomness))} record no secret mechanism randomness: their "
+                     "lots and noise follow from the published seed, so no ε covers them, alone or together; their ε spent "
+                     "is what they would cost had the noise been secret.**")  # fmt: skip
     return lines
+
+
+def _study_cost(epsilon: float | str) -> str:
+    return f"ε = {epsilon:.2f}" if isinstance(epsilon, float) else str(epsilon)
 
 
 def _dp_runs(count: int) -> str:

@@ -26,12 +26,12 @@ import json
 import os
 import secrets
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..eval.runs import SUMMARY_FILE, Run, read_summary
+from ..jsontext import to_json
 from ..training.plan import PRV_MAX_EPSILON
-from .jobs import REPO, Job, publish, run_job
+from .jobs import REPO, Job, publish, run_jobs
 
 EPSILONS = (8, 32, 128, 1024)
 SEEDS = (0, 1, 2)
@@ -126,11 +126,11 @@ class MechanismSeeds:
 
     def __call__(self, seed: int) -> int:
         if str(seed) not in self.seeds:
-            self.seeds[str(seed)] = secrets.randbits(63)
+            self.seeds[str(seed)] = secrets.randbits(128)  # seeds already stored stay: runs pair up
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump(self.seeds, f)
+                f.write(to_json(self.seeds))
         return self.seeds[str(seed)]
 
 
@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     publish_public_model(args.results / "public_pretraining")
     todo = selected(MechanismSeeds(args.work / "mechanism_seeds.json"))
     print(f"bc_regime: {len(todo)} runs, {args.jobs} at a time; rates {rates}", flush=True)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda job: run_job(job, args.work, args.results, threads=1), todo))
+    run_jobs(todo, args.work, args.results, threads=1, parallel=args.jobs)
     return 0
 
 

@@ -26,7 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from ..eval.runs import Run
+from ..eval.runs import Run, read_run_rows
 from ..paths import REPO_ROOT
 from ..privacy.randomness import USER_SEED
 from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, RULE, SEEDS
@@ -53,6 +53,8 @@ class RegimeRun:
     estimated_by_matrix: list[float] = field(default_factory=list)  # per matrix and step: the public estimate
     gain: list[float] = field(default_factory=list)  # per step: median over matrices of cos_bc − cos_plain
     pairs: list[tuple[float, float]] = field(default_factory=list)  # (true SNR, gain) per matrix and step
+    # (true SNR, gain of the probe-averaged corrected map) per matrix and step: runs that log it
+    pairs_mean: list[tuple[float, float]] = field(default_factory=list)
 
 
 def load_runs(root: Path) -> list[RegimeRun]:
@@ -74,8 +76,7 @@ def load_runs(root: Path) -> list[RegimeRun]:
             record.learning_rates["lr"], int(match["seed"]),
             summary.get("test_nll"), summary.get("val_nll"), summary.get("epsilon"),
         )
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            row = json.loads(line)
+        for row in record.load_metrics(diagnostics=True):  # the oracle's fields: diagnostics.jsonl since it exists
             if "oracle_snr" not in row:
                 continue
             gains = {k: row["oracle_cos_bc"][k] - row["oracle_cos_plain"][k] for k in row["oracle_snr"]}
@@ -85,6 +86,9 @@ def load_runs(root: Path) -> list[RegimeRun]:
                 run.estimated_snr.append(row["snr_median"])
             run.estimated_by_matrix.extend(v for v in (row.get("snr") or {}).values() if v is not None)
             run.pairs.extend((row["oracle_snr"][k], g) for k, g in gains.items() if math.isfinite(g))
+            if "oracle_cos_bc_mean" in row:
+                averaged = {k: row["oracle_cos_bc_mean"][k] - row["oracle_cos_plain"][k] for k in row["oracle_snr"]}
+                run.pairs_mean.extend((row["oracle_snr"][k], g) for k, g in averaged.items() if math.isfinite(g))
         runs.append(run)
     return runs
 
@@ -283,8 +287,7 @@ def load_pretrained(root: Path) -> list[PretrainedRun]:
         match = _PRETRAINED.match(summary.parent.name)
         if match is None:
             continue
-        rows = [json.loads(line) for line in (summary.parent / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "oracle_snr" in r]
+        rows = [r for r in read_run_rows(summary.parent, diagnostics=True) if "oracle_snr" in r]
         out.append(PretrainedRun(
             match["model"], int(match["lot"]), [r["oracle_snr_median"] for r in rows], [r.get("snr_median") for r in rows],
             [statistics.median(r["oracle_cos_bc"][k] - r["oracle_cos_plain"][k] for k in r["oracle_snr"]) for r in rows],
@@ -413,7 +416,9 @@ def gain_markdown(runs: list[RegimeRun]) -> str:
         "",
         "## Alignment gain against the true SNR (every matrix and step of the DP-Muon map runs)",
         "",
-        "Gain: cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩; positive means the correction points closer to the noise-free direction.",
+        "Gain: cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩ for one draw of the probes; positive means that draw points closer to "
+        "the noise-free direction. A single draw mixes the correction's bias with its probes' variance, so this gain cannot show "
+        "bias (runs that log `oracle_cos_bc_mean` give the probe-averaged gain beside it in `gain_vs_snr.png`).",
         "",
         "| true SNR bin | matrix-steps | median gain | interquartile range | share with gain > 0 |",
         "|---|---|---|---|---|",
@@ -430,22 +435,25 @@ def gain_markdown(runs: list[RegimeRun]) -> str:
 
 def gain_figure(runs: list[RegimeRun], path: Path) -> None:
     pairs = map_gain_pairs(runs)
+    averaged = [p for run in runs if run.stage == "runs" and run.optimizer == "dp_muon" for p in run.pairs_mean]
     fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.add_subplot()
-    bins = gain_bins(pairs)
-    if bins:
+    curves = (("single-draw cosine", pairs, "#d62728", "o"), ("probe-averaged (16 pairs)", averaged, "#1f77b4", "s"))
+    for label, points, color, marker in curves:
+        bins = gain_bins(points)
+        if not bins:
+            continue
         centers = [math.sqrt(lo * hi) for lo, hi, _ in bins]
-        med = [np.median(g) for _, _, g in bins]
-        low = [np.quantile(g, 0.25) for _, _, g in bins]
-        high = [np.quantile(g, 0.75) for _, _, g in bins]
-        ax.plot(centers, med, marker="o", color="#d62728", label="median over matrices × steps")
-        ax.fill_between(centers, low, high, color="#d62728", alpha=0.2, label="interquartile range")
+        ax.plot(centers, [np.median(g) for _, _, g in bins], marker=marker, color=color, label=f"{label}: median over matrices × steps")
+        low, high = ([np.quantile(g, q) for _, _, g in bins] for q in (0.25, 0.75))
+        ax.fill_between(centers, low, high, color=color, alpha=0.2, label=f"{label}: interquartile range")
+    if pairs or averaged:
         ax.legend(fontsize=8)
     ax.axhline(0.0, color="black", linewidth=0.8)
-    _decade_axis(ax, [s for s, _ in pairs])
+    _decade_axis(ax, [s for s, _ in pairs + averaged])
     ax.set_xlabel("true SNR ‖M₀‖²/(s²mn) (per matrix and step)")
     ax.set_ylabel("cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩")
-    ax.set_title("Alignment gain of the correction vs true SNR (DP-Muon map runs)", fontsize=10)
+    ax.set_title("Alignment gain of the correction vs true SNR (DP-Muon map runs; single draw: not a bias measure)", fontsize=9)
     _save(fig, path)
 
 

@@ -8,11 +8,14 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import REPO_ROOT
 from ..training.mechanism_state import has_saved_state
+from ..training.secret import MECHANISM_SEED_ENV
 
 REPO = REPO_ROOT
 # Published per run: the record, without checkpoints or mechanism state.
@@ -25,11 +28,6 @@ class Job:
     stage: str  # the folder it is published in: "tuning", "runs", ...
     overrides: tuple[str, ...]
     mechanism_seed: int | None = None  # secret: reaches the run through its environment, never argv
-
-
-# Argv is world-readable (`ps`, /proc/<pid>/cmdline); a process's environment only to its owner.
-MECHANISM_SEED_ENV = "DPMUON_MECHANISM_SEED"
-SEED_FROM_ENV = f"privacy.mechanism_seed='${{oc.decode:${{oc.env:{MECHANISM_SEED_ENV}}}}}'"
 
 
 def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
@@ -53,19 +51,19 @@ def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
         print(f"  {job.stage}/{job.name}: held by another runner, skipped", flush=True)
         return published
     try:
-        env = dict(os.environ)
-        # A run stopped before saving state starts again from its command: that carries the
-        # mechanism seed, which its scrubbed config cannot give a resume.
+        # Argv is world-readable (`ps`, /proc/<pid>/cmdline); a process's environment only to its
+        # owner. A job without a seed must not inherit one from the runner's environment.
+        env = {k: v for k, v in os.environ.items() if k != MECHANISM_SEED_ENV}
+        if job.mechanism_seed is not None:
+            env[MECHANISM_SEED_ENV] = str(job.mechanism_seed)
+        # A run stopped before saving state has nothing to resume from: it starts again.
         if has_saved_state(run_dir):
-            cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}", f"hydra.run.dir={run_dir}/resume"]
+            cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}"]  # it writes into run_dir itself
         else:
             cmd = [
                 sys.executable, "-m", "dpmuon.train", *job.overrides,
                 f"hydra.run.dir={run_dir}", f"trainer.num_threads={threads}", "logging.progress=false",
             ]
-            if job.mechanism_seed is not None:
-                cmd.append(SEED_FROM_ENV)
-                env[MECHANISM_SEED_ENV] = str(job.mechanism_seed)
         start = time.time()
         with open(work / job.stage / f"{job.name}.log", "a") as log:
             done = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -76,6 +74,21 @@ def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
     finally:
         lock.unlink(missing_ok=True)
     return published
+
+
+def run_jobs(jobs: Sequence[Job], work: Path, results: Path, threads: int, parallel: int) -> list[Path]:
+    """`run_job` for every job, `parallel` at a time; returns their published copies in order.
+
+    A failed job does not stop the others (`ThreadPoolExecutor.map` would cancel every job not
+    yet started at the first failure): all run, then the failures are named together and the
+    runner exits non-zero.
+    """
+    with ThreadPoolExecutor(parallel) as pool:
+        futures = [pool.submit(run_job, job, work, results, threads) for job in jobs]
+    failures = [f"{job.stage}/{job.name}: {error}" for job, error in ((j, f.exception()) for j, f in zip(jobs, futures)) if error is not None]
+    if failures:
+        raise SystemExit(f"{len(failures)} of {len(jobs)} jobs failed:\n  " + "\n  ".join(failures))
+    return [future.result() for future in futures]
 
 
 def _take(lock: Path) -> bool:

@@ -28,12 +28,11 @@ import math
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..config.roster import optimizer_names
 from ..eval.runs import SUMMARY_FILE, Run, read_summary
-from .jobs import REPO, Job, publish, run_job
+from .jobs import REPO, Job, publish, run_jobs
 
 DP_OPTIMIZERS = optimizer_names(private=True)  # conf/optimizer/*.yaml with private: true
 # Five rates per optimizer, half a decade apart: one tuning budget for all. DP-SGD's rates are
@@ -98,8 +97,7 @@ def final_jobs(dataset: str, rates: dict[str, float], seeds: list[int]) -> list[
 
 def run_all(jobs: list[Job], work: Path, results: Path, parallel: int) -> list[dict]:
     threads = 1 if parallel > 1 else 2
-    with ThreadPoolExecutor(parallel) as pool:
-        published_dirs = list(pool.map(lambda job: run_job(job, work, results, threads), jobs))
+    published_dirs = run_jobs(jobs, work, results, threads, parallel)
     summaries = []
     for published in published_dirs:
         run = Run(published, read_summary(published / SUMMARY_FILE))
@@ -195,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     run_all(finals, work, results, args.jobs)
 
     for script in ("make_tables.py", "make_curves.py", "make_snr_plot.py", "compare_optimizers.py"):
-        subprocess.run([sys.executable, str(REPO / "scripts" / script), str(results / "runs"), "--out", str(args.results)], check=True)
+        subprocess.run([sys.executable, str(REPO / "scripts" / script), str(results / "runs"), "--out", str(args.results), "--force"], check=True)
     return 0
 
 

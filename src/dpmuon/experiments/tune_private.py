@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import secrets
 import shlex
 import subprocess
@@ -40,8 +41,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..jsontext import to_json
 from ..privacy import study
 from ..privacy.tuning import TruncatedNegativeBinomial, tuning_bound
+from ..training.secret import MECHANISM_SEED_ENV
 
 SUMMARY = "tuning_summary.json"
 DEFAULT_TRAIN = [sys.executable, "-m", "dpmuon.train"]
@@ -151,6 +154,8 @@ def check_overrides(overrides: list[str], space: SearchSpace) -> None:
             raise TuningError(f"override {override!r}: the tuner sets {key!r} on every trial")
         if key.startswith("privacy.mechanism_seed"):
             raise TuningError(f"override {override!r}: a fixed mechanism seed gives every trial the same noise")
+    if MECHANISM_SEED_ENV in os.environ:  # every trial inherits this process's environment
+        raise TuningError(f"{MECHANISM_SEED_ENV} is set: a fixed mechanism seed gives every trial the same noise; unset it")
 
 
 def number_of_trials(args: argparse.Namespace) -> tuple[int, TruncatedNegativeBinomial | None]:
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         # Fixed trials are all accounted for; random stopping holds only while K stays secret.
         **({"secret": {"note": SECRET_NOTE, **record}} if distribution else record),
     }
-    (args.out / SUMMARY).write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    (args.out / SUMMARY).write_text(to_json(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     if chosen is None:
         print(f"tune_private.py: no trial produced a finite val_nll; see {args.out}/trial_*/tune_private.log", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ from .engines import ENGINES, build_engine
 from .ledger import LEDGER_FILE, LedgerMismatchError, PrivacyLedger, release_digest
 from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
 from .privatizer import NonFiniteReleaseError, NonPrivateRelease, Privatizer, ReleaseStats, ReplayMismatchError
-from .randomness import MechanismRandomness
+from .randomness import MechanismRandomness, SecretStream
 from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Privatizer",
     "ReleaseStats",
     "ReplayMismatchError",
+    "SecretStream",
     "ShuffleLotSampler",
     "block_noise_stds",
     "build_engine",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from ..jsontext import to_json
 from .accountant import ACCOUNTANTS, calibrate_noise_multiplier, epsilon_after, plan_steps
 
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(
-        json.dumps(
+        to_json(
             {
                 "noise_multiplier": sigma,
                 "epsilon": eps,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 
 from opacus.accountants import create_accountant
@@ -20,6 +22,54 @@ CALIBRATION_TOLERANCE = 0.01
 # RDP orders: Opacus' default stops at 63, too low for ε ≈ 8 at small q (the optimum sits at the
 # edge and the bound loosens); extending the grid only tightens the bound.
 RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 256)))
+
+
+# Share of δ set aside for the releases' bad events (ReleaseSlack.bad_event).
+BAD_EVENT_SHARE = 1e-3
+
+
+@dataclass(frozen=True)
+class ReleaseSlack:
+    """What one release costs beyond the ideal subsampled Gaussian the accountant analyses.
+
+    epsilon: the release's output probabilities are within a factor e^{±epsilon/2} of the ideal
+      mechanism's (the float64 grid noise: privacy/grid.py), outside the bad event.
+    bad_event: the probability, per release, of an event the analysis does not cover (a noise
+      draw past the analysed tail, a Poisson lot truncated to its constant-time bound).
+
+    T such releases are within e^{±a}, a = T·epsilon/2, of the ideal on the good events, so with
+    the ideal (ε_I, δ_I) they are (ε_I + 2a, e^a·δ_I + (1 + e^{ε_I + a})·T·bad_event)-DP. The
+    accountant spends δ_I = (1 − BAD_EVENT_SHARE)·δ·e^{−a} on the ideal mechanism and reports an
+    infinite ε if the bad events need more than the share left.
+    """
+
+    epsilon: float = 0.0
+    bad_event: float = 0.0
+
+    def __add__(self, other: ReleaseSlack) -> ReleaseSlack:
+        return ReleaseSlack(self.epsilon + other.epsilon, self.bad_event + other.bad_event)
+
+    def __bool__(self) -> bool:
+        return bool(self.epsilon or self.bad_event)
+
+    def ideal_delta(self, steps: int, delta: float) -> float:
+        """δ_I: what the ideal mechanism may spend of δ after `steps` releases."""
+        if not self:
+            return delta
+        return (1 - BAD_EVENT_SHARE) * delta * math.exp(-steps * self.epsilon / 2)
+
+    def epsilon_of(self, steps: int, delta: float, ideal_epsilon: Callable[[float], float]) -> float:
+        """ε after `steps` releases, given the ideal mechanism's ε as a function of its δ."""
+        eps = ideal_epsilon(self.ideal_delta(steps, delta))
+        if not self:
+            return eps
+        a = steps * self.epsilon / 2
+        if self.bad_event and math.isfinite(eps):
+            x = eps + a  # log(1 + e^x), without overflow at large ε
+            log_charge = max(x, 0.0) + math.log1p(math.exp(-abs(x))) + math.log(steps * self.bad_event)
+            if log_charge > math.log(BAD_EVENT_SHARE * delta):
+                return math.inf
+        return eps + 2 * a
 
 
 def _epsilon_kwargs(accountant: str) -> dict:
@@ -57,20 +107,22 @@ def check_sample_rate(sample_rate: float) -> None:
 
 
 @lru_cache(maxsize=4096)
-def epsilon_after(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv") -> float:
+def epsilon_after(
+    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv", slack: ReleaseSlack = ReleaseSlack()
+) -> float:
     """ε spent by `steps` releases with (σ, q) at δ; inf without noise, 0 before any step."""
     _check_accountant(accountant)
     if steps == 0:
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    return _opacus_epsilon(accountant, [(noise_multiplier, sample_rate, steps)], delta)
+    return slack.epsilon_of(steps, delta, lambda d: _opacus_epsilon(accountant, [(noise_multiplier, sample_rate, steps)], d))
 
 
 def calibrate_noise_multiplier(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "prv"
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "prv", slack: ReleaseSlack = ReleaseSlack()
 ) -> float:
-    """Smallest σ (to the search tolerance) whose ε after `steps` steps is ≤ target_epsilon."""
+    """Smallest σ (to the search tolerance) whose ε after `steps` steps, slack included, is ≤ target_epsilon."""
     _check_accountant(accountant)
     if target_epsilon <= 0:
         raise ValueError(f"target epsilon must be > 0, got {target_epsilon}")
@@ -79,18 +131,21 @@ def calibrate_noise_multiplier(
     check_sample_rate(sample_rate)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    ideal_target = target_epsilon - steps * slack.epsilon
+    if not ideal_target > 0:
+        raise ValueError(f"the releases' float slack alone ({steps * slack.epsilon:.3g}) exceeds target epsilon {target_epsilon}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
         sigma = get_noise_multiplier(
-            target_epsilon=target_epsilon,
-            target_delta=delta,
+            target_epsilon=ideal_target,
+            target_delta=slack.ideal_delta(steps, delta),
             sample_rate=sample_rate,
             steps=steps,
             accountant=accountant,
             epsilon_tolerance=CALIBRATION_TOLERANCE,
             **_epsilon_kwargs(accountant),
         )
-    spent = epsilon_after(sigma, sample_rate, steps, delta, accountant)
+    spent = epsilon_after(sigma, sample_rate, steps, delta, accountant, slack)
     if not spent <= target_epsilon:  # the search must never hand back a σ that overspends
         raise RuntimeError(f"calibration returned σ={sigma} with ε={spent} > target {target_epsilon}")
     return float(sigma)
@@ -107,12 +162,13 @@ class NullAccountant:
 
 
 class PrivacyAccountant:
-    """The running ledger of one training run: every release is recorded here, once."""
+    """ε spent by one run's releases so far (rebuilt from the privacy ledger on resume)."""
 
-    def __init__(self, delta: float, accountant: str = "prv"):
+    def __init__(self, delta: float, accountant: str = "prv", slack: ReleaseSlack = ReleaseSlack()):
         _check_accountant(accountant)
         self.delta = delta
         self.mechanism = accountant
+        self.slack = slack  # per release, beyond the ideal mechanism
         self.history: list[tuple[float, float, int]] = []  # (σ, q, consecutive steps)
 
     def step(self, noise_multiplier: float, sample_rate: float) -> None:
@@ -142,8 +198,9 @@ class PrivacyAccountant:
         if any(sigma <= 0 for sigma, _, _ in history):
             return math.inf
         if len(history) == 1:
-            return epsilon_after(*history[0], self.delta, self.mechanism)
-        return _opacus_epsilon(self.mechanism, history, self.delta)
+            return epsilon_after(*history[0], self.delta, self.mechanism, self.slack)
+        steps = sum(n for _, _, n in history)
+        return self.slack.epsilon_of(steps, self.delta, lambda d: _opacus_epsilon(self.mechanism, history, d))
 
     def state_dict(self) -> dict:
         return {"delta": self.delta, "mechanism": self.mechanism, "history": [list(h) for h in self.history]}

@@ -1,15 +1,31 @@
 """The privacy ledger: one durable line per release, written before anything derived from it.
 
 `<run dir>/privacy_ledger.jsonl` starts with a header naming the private training set (dataset,
-N, a fingerprint of its examples) and the accounting (δ, accountant), then holds one line per
-release: step, σ, q, whether it was charged, and a SHA-256 of the released gradient. The line
-is appended and fsynced inside the privatizer, before the gradient reaches the optimizer, a
-log, a checkpoint or W&B — so a crash at any instant can lose work but never a release.
+N), the accounting (δ, accountant, each release's float slack) and a random run ID, then
+holds one line per release: step, σ, q, whether it was charged, and a SHA-256 of the released
+gradient. The line is appended and fsynced inside the privatizer, before the gradient reaches
+the optimizer, a log, a checkpoint or W&B — so a crash at any instant can lose work but never a
+release.
 
 ε spent is always the composition of the charged lines. A step re-run after a resume that
 releases a bit-identical gradient reveals nothing new and is written uncharged; any other
 re-release is a new release and is charged. `python -m dpmuon.privacy.study` composes the
 ledgers of several runs on the same data.
+
+The ledger is a hash chain, so that a resume cannot silently forget a release: every line after
+the header carries `prev`, the SHA-256 of the previous line's bytes, and the header carries a
+random `run_id`, so no two runs' chains are alike even on the same data. The checkpoint and the
+mechanism state record the chain's head (the hash of the last line) and its length when they
+are written; a resume verifies that the ledger still holds exactly those lines (`verify`) and
+refuses a ledger that was deleted, truncated, edited or swapped for another run's. The chain is
+evidence against accidents and mix-ups, not against an owner who recomputes every hash and
+edits the checkpoint too: they hold the data anyway.
+
+Only a crash can damage a ledger legitimately, and only its last line: a line is one write,
+fsynced before its release is used, so a line without its newline was torn mid-write and its
+release never reached anything. That tail is dropped. Nothing is rewritten in place: the
+damaged file keeps its name as `privacy_ledger.jsonl.damaged-<n>` and the intact lines are
+written to a new file. Any other damage (a bad or unchained line before the last) is refused.
 """
 
 from __future__ import annotations
@@ -17,19 +33,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from ..durable import fsync_dir
+from ..jsontext import to_json
+
 LEDGER_FILE = "privacy_ledger.jsonl"
-FORMAT = 1
+FORMAT = 2  # 1: before the hash chain (no `prev`, no `run_id`)
 # Header fields that must agree between a ledger on disk and the run that continues it.
-IDENTITY = ("dataset", "dataset_size", "data_fingerprint", "delta", "accountant")
+IDENTITY = ("dataset", "dataset_size", "delta", "accountant")
+DAMAGED_SUFFIX = ".damaged-"
 
 
 class LedgerMismatchError(ValueError):
     """The ledger on disk belongs to another private dataset or accounting."""
+
+
+class LedgerIntegrityError(ValueError):
+    """The ledger on disk is not the one this run wrote: lines were removed, edited or replaced."""
 
 
 def release_digest(released: Mapping[str, torch.Tensor]) -> str:
@@ -43,49 +69,136 @@ def release_digest(released: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def line_hash(line: bytes) -> str:
+    """The chain's link: SHA-256 of one line's bytes as stored, without its newline."""
+    return hashlib.sha256(line).hexdigest()
+
+
+def read_chain(path: Path, lines: list[bytes]) -> tuple[list[dict], str | None]:
+    """The parsed lines up to the first bad one, and why it is bad ("<file>:<line>: …"), or None.
+
+    `lines` are complete lines (each had its newline). A header of format 1 (before the chain)
+    has no links to check. Shared with the study, which reads ledgers it did not write.
+    """
+    records: list[dict] = []
+    for number, raw in enumerate(lines, start=1):
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return records, f"{where}: not valid JSON"
+        if not isinstance(record, dict):
+            return records, f"{where}: not a JSON object"
+        if number == 1:
+            if record.get("kind") != "header":
+                return records, f"{where}: the first line must be the ledger header"
+        elif record.get("kind") != "release":
+            return records, f"{where}: expected a release line"
+        elif records[0].get("format", 1) != 1 and record.get("prev") != line_hash(lines[number - 2]):
+            return records, f"{where}: 'prev' is not the hash of line {number - 1}: lines were removed or edited (a ledger is append-only)"
+        records.append(record)
+    return records, None
+
+
 class PrivacyLedger:
-    """Append-only record of a run's releases; survives every crash and resume."""
+    """Append-only, hash-chained record of a run's releases; survives every crash and resume."""
 
     def __init__(self, path: Path, header: Mapping):
         self.path = Path(path)
-        self.header = {"kind": "header", "format": FORMAT, **header}
         self.releases: list[dict] = []
+        self._hashes: list[str] = []  # line_hash of each line, in order: the chain's links
         if self.path.exists() and self.path.stat().st_size:
-            self._load()
+            self._load(header)
         else:
-            self._append(self.header)
+            self._create(header)
 
-    def _load(self) -> None:
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        complete = []
-        for line in lines:
-            try:
-                complete.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a torn last line: its release never reached anything downstream
-        if len(complete) < len(lines):  # rewrite without the torn tail, atomically
-            self._rewrite(complete)
-        stored = complete[0]
+    def _create(self, header: Mapping) -> None:
+        # The run ID starts the chain: two runs on the same data never write the same lines.
+        self.header = {"kind": "header", "format": FORMAT, "run_id": secrets.token_hex(16), **header}
+        self._append(self.header)
+        fsync_dir(self.path.parent)  # the new file's name is as durable as its first line
+
+    @property
+    def head(self) -> str:
+        """The hash of the last line: with `length`, what a checkpoint records of the ledger."""
+        return self._hashes[-1]
+
+    @property
+    def length(self) -> int:
+        """Lines in the ledger, the header included."""
+        return len(self._hashes)
+
+    def _load(self, header: Mapping) -> None:
+        data = self.path.read_bytes()
+        *lines, torn = data.split(b"\n")  # `torn` is empty unless the last write was cut short
+        if not lines:  # the header itself was torn: the run stopped before its first release
+            self._set_aside_torn_tail(b"")
+            self._create(header)
+            return
+        records, error = read_chain(self.path, lines)
+        if error is not None:
+            raise LedgerIntegrityError(f"{error}; refusing to continue (the file is left as it is)")
+        stored = records[0]
+        if stored.get("format") != FORMAT:
+            raise LedgerIntegrityError(
+                f"{self.path}:1: ledger format {stored.get('format')!r} has no hash chain; this version continues "
+                f"only format {FORMAT}: finish the run with the code that started it, or start a new run"
+            )
         for key in IDENTITY:
-            if stored.get(key) != self.header.get(key):
-                raise LedgerMismatchError(
-                    f"{self.path}: the ledger records {key}={stored.get(key)!r}, this run has {self.header.get(key)!r}"
-                )
-        self.releases = [r for r in complete[1:] if r.get("kind") == "release"]
+            if stored.get(key) != header.get(key):
+                raise LedgerMismatchError(f"{self.path}: the ledger records {key}={stored.get(key)!r}, this run has {header.get(key)!r}")
+        if torn:  # a release never used: set the whole file aside and keep its intact lines
+            self._set_aside_torn_tail(data[: len(data) - len(torn)])
+        self.header = stored
+        self._hashes = [line_hash(line) for line in lines]
+        self.releases = records[1:]
 
-    def _rewrite(self, records: list[dict]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    def _set_aside_torn_tail(self, intact: bytes) -> None:
+        """Keep the damaged file under a new name and write its intact lines as the ledger."""
+        number = 1
+        while self.path.with_name(f"{self.path.name}{DAMAGED_SUFFIX}{number}").exists():
+            number += 1
+        damaged = self.path.with_name(f"{self.path.name}{DAMAGED_SUFFIX}{number}")
+        tmp = self.path.with_name(f".{self.path.name}.repair.tmp")
+        with open(tmp, "wb") as f:
+            f.write(intact)
             f.flush()
             os.fsync(f.fileno())
+        try:  # a second name for the same bytes: at every instant a complete ledger is on disk
+            os.link(self.path, damaged)
+        except OSError:  # a file system without hard links: a copy, durable before the swap
+            shutil.copy2(self.path, damaged)
+            with open(damaged, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    def verify(self, head: str | None, length: int | None, recorded_by: str = "the checkpoint") -> None:
+        """Refuse unless line `length` hashes to `head`: the ledger still holds every line that
+        `recorded_by` saw, unchanged. Lines after it (releases made after that save) are kept."""
+        if not isinstance(head, str) or not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise LedgerIntegrityError(
+                f"{recorded_by} records no ledger head (ledger_head={head!r}, ledger_length={length!r}): it was not "
+                f"written with {self.path.name} format {FORMAT}, so the ledger cannot be checked against it"
+            )
+        if length > self.length:
+            raise LedgerIntegrityError(
+                f"{self.path}: {recorded_by} records {length} lines, the ledger has {self.length}: "
+                "releases were removed (the ledger was truncated or replaced); the run's ε cannot be recovered"
+            )
+        if self._hashes[length - 1] != head:
+            raise LedgerIntegrityError(
+                f"{self.path}:{length}: this is not the line {recorded_by} recorded (its hash differs): the ledger was "
+                "edited or swapped for another run's; the run's ε cannot be recovered"
+            )
 
     def _append(self, record: Mapping) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        line = to_json(record, sort_keys=True).encode()
+        with open(self.path, "ab") as f:
+            f.write(line + b"\n")
             f.flush()
             os.fsync(f.fileno())
+        self._hashes.append(line_hash(line))
 
     def earlier_digests(self, step: int) -> set[str]:
         """Digests of releases already recorded for `step` (by an earlier attempt at it)."""
@@ -101,6 +214,7 @@ class PrivacyLedger:
             "sample_rate": float(sample_rate),
             "release_sha256": digest,
             "charged": charged,
+            "prev": self.head,
         }
         self._append(record)
         self.releases.append(record)

@@ -9,11 +9,16 @@ multiplier is σ, and the accountant sees exactly one subsampled Gaussian per st
 from __future__ import annotations
 
 import math
+import secrets
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from .blocks import BlockPartition
-from .randomness import secure_standard_normal
+from .grid import release_on_grid
+from .randomness import CHUNK, KEY_BITS, SecretStream, secure_standard_normal
 
 NOISE_ALLOCATIONS = ("uniform", "proportional")
 
@@ -38,13 +43,50 @@ def effective_noise_multiplier(partition: BlockPartition, stds: list[float]) -> 
 
 
 class GaussianNoise:
-    """Source of N(0, 1) draws: a secretly seeded torch generator, or the OS CSPRNG in secure mode."""
+    """Source of N(0, 1) draws in float64: a secret stream (privacy/randomness.py; by default a
+    fresh one keyed from OS entropy), or the OS CSPRNG in secure mode. One call is one draw of the
+    stream: CHUNK-sized pieces from their own generators, filled by parallel threads (numpy and
+    torch release the GIL), so the result does not depend on the number of threads."""
 
-    def __init__(self, generator: torch.Generator | None = None, secure: bool = False):
+    def __init__(self, stream: SecretStream | None = None, secure: bool = False, threads: int | None = None):
         self.secure = secure
-        self.generator = generator
+        self.stream = stream if stream is not None else SecretStream(secrets.randbits(KEY_BITS))
+        self.threads = threads or torch.get_num_threads()
 
-    def standard_normal(self, shape: torch.Size, device: torch.device, dtype=torch.float32) -> torch.Tensor:
-        if not self.secure:
-            return torch.randn(shape, generator=self.generator, device=device, dtype=dtype)
-        return secure_standard_normal(shape, device, dtype)
+    def standard_normal(self, n: int) -> np.ndarray:
+        out = np.empty(n, dtype=np.float64)
+        self._chunks(n, _store, out)
+        return out
+
+    def grid_release(self, total: torch.Tensor, std: float) -> torch.Tensor:
+        """`release_on_grid(total, std, z)` with this source's next draw z, in place in `total`.
+
+        On the CPU each chunk is noised where it is drawn, while it is in cache; on an accelerator
+        the draw crosses over once and the grid arithmetic runs there."""
+        if total.device.type != "cpu":
+            z = torch.from_numpy(self.standard_normal(total.numel())).view(total.shape)
+            return release_on_grid(total, std, z)
+        flat = total.view(-1)
+        self._chunks(total.numel(), lambda piece, z: release_on_grid(piece, std, torch.from_numpy(z)), flat)
+        return total
+
+    def _chunks(self, n: int, consume: Callable, target) -> None:
+        """consume(target[chunk], z_chunk) for every chunk of one draw of n normals."""
+        count = max(1, -(-n // CHUNK))
+        generators = None if self.secure else self.stream.generators(count)
+
+        def one(chunk: int) -> None:
+            piece = target[chunk * CHUNK : (chunk + 1) * CHUNK]
+            z = secure_standard_normal(len(piece)) if generators is None else generators[chunk].standard_normal(len(piece))
+            consume(piece, z)
+
+        if count == 1 or self.threads == 1:
+            for chunk in range(count):
+                one(chunk)
+        else:
+            with ThreadPoolExecutor(min(self.threads, count)) as pool:
+                list(pool.map(one, range(count)))
+
+
+def _store(piece: np.ndarray, z: np.ndarray) -> None:
+    piece[:] = z

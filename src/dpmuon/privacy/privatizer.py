@@ -1,8 +1,9 @@
 """The privatizer: the only code that touches private data.
 
 One step: (the caller samples a lot) → per-example gradients → per-block clipping → joint
-Gaussian noise → released gradient g̃_W = (Σ_i H_i,W + noise_W) / B_expected → one ledger line
-(durable) and one accountant step → written to p.grad. Optimizers only ever read p.grad
+Gaussian noise, added on an integer grid so that the release is private as computed in floats
+(privacy/grid.py) → released gradient g̃_W = grid(Σ_i H_i,W + noise_W) / B_expected → one ledger
+line (durable) and one accountant step → written to p.grad. Optimizers only ever read p.grad
 afterwards: post-processing.
 """
 
@@ -39,42 +40,18 @@ class ReplayMismatchError(RuntimeError):
     """
 
 
-class LotTotal:
-    """Sums the micro-batches' clipped sums in fp32 while that is exact enough, else in float64.
+def add_to_lot_total(summed: dict[str, torch.Tensor], part: Mapping[str, torch.Tensor]) -> None:
+    """Add one micro-batch's clipped sums (fp32) into the lot's float64 totals.
 
-    Each fp32 addition rounds a block's running total by at most u·‖total‖ ≤ u·n·C_W (u = 2⁻²⁴,
-    n the examples summed so far, each contributing at most C_W), so two neighbouring lots'
-    totals can differ by up to C_W + 2u·C_W·Σ_m n_≤m. While that excess stays under
-    `FP32_SLACK`·C_W (Σ_m n_≤m ≤ 83: a lot of 16 in two micro-batches of 8 reaches 1.9e-6) the
-    total stays fp32 and the last micro-batch's sum becomes the release in place. Past it — a
-    lot of 1024 in micro-batches of 8 would reach 7.9e-3·C_W — the total is converted once to
-    float64, whose rounding is 2²⁹ times finer. Several ranks always use float64: the all-reduce
-    adds too.
+    Always float64, whatever the lot: an fp32 total would round by up to 2⁻²⁴ per addition times
+    the examples summed so far, and a switch to float64 once that grows would make the step's
+    time depend on the lot's size — a timing channel constant-time lots exist to close.
     """
-
-    FP32_SLACK = 1e-5  # of C_W; the engines' own fp32 products round by more (package docstring)
-    UNIT_ROUNDOFF = 2.0**-24
-
-    def __init__(self, distributed: bool = False):
-        self.float64 = distributed
-        self.examples = 0
-        self.excess = 0.0  # bound on the fp32 additions' rounding, in units of C_W
-
-    def add(self, summed: dict[str, torch.Tensor], part: Mapping[str, torch.Tensor], examples: int) -> None:
-        """Add one micro-batch's sums (fp32, fresh tensors the total may take over) into `summed`."""
-        first = not summed
-        self.examples += examples
-        if not first and not self.float64:
-            self.excess += 2 * self.UNIT_ROUNDOFF * self.examples
-            if self.excess > self.FP32_SLACK:
-                self.float64 = True
-                for name in summed:
-                    summed[name] = summed[name].double()
-        for name, tensor in part.items():
-            if name in summed:
-                summed[name] += tensor
-            else:
-                summed[name] = tensor.double() if self.float64 else tensor
+    for name, tensor in part.items():
+        if name in summed:
+            summed[name] += tensor
+        else:
+            summed[name] = tensor.double()
 
 
 @dataclass
@@ -120,13 +97,14 @@ class Privatizer:
     engine: str = "fast"  # as privacy.engine defaults to
     parallel: DataParallel = SINGLE  # this rank's place; micro_batches are then its shard of the lot
     ledger: PrivacyLedger | None = None  # durable record of every release (rank 0 writes it)
+    constant_time: bool = False  # lots padded to a fixed size: the engine's work must not depend on the real rows
     # Non-private diagnostics only: receives each step's clipped sum / B *before* noise.
     observe_noise_free: Callable[[dict[str, torch.Tensor]], None] | None = None
 
     def __post_init__(self):
         if self.expected_lot_size <= 0:
             raise ValueError(f"expected lot size must be > 0, got {self.expected_lot_size}")
-        self._engine = build_engine(self.engine, self.model, self.partition)
+        self._engine = build_engine(self.engine, self.model, self.partition, self.constant_time)
         self.params = self._engine.params
         self.block_stds = block_noise_stds(self.partition, self.noise_multiplier, self.noise_allocation)
         self.effective_noise_multiplier = effective_noise_multiplier(self.partition, self.block_stds)
@@ -156,12 +134,11 @@ class Privatizer:
         With a ledger, `step` names the release; the ledger line is durable before p.grad is set.
         """
         summed: dict[str, torch.Tensor] = {}
-        total = LotTotal(distributed=self.parallel.world_size > 1)
         stats = ReleaseStats(clipped=torch.zeros(len(self.partition), dtype=torch.long))
         for batch in micro_batches:
             part, losses, clip = self._engine.clipped_sum(batch, loss_fn)
             with record_function("dpmuon.lot_total"):
-                total.add(summed, part, clip.examples)
+                add_to_lot_total(summed, part)
             finite = torch.isfinite(losses)
             stats.lot_size += clip.examples
             stats.loss_sum += float(losses[finite].sum())
@@ -172,21 +149,16 @@ class Privatizer:
 
         for name, p in self.params.items():
             if name not in summed:  # an empty lot
-                summed[name] = torch.zeros_like(p, dtype=torch.float64 if total.float64 else torch.float32)
-        block_of = self.partition.block_index()
+                summed[name] = torch.zeros_like(p, dtype=torch.float64)
         noise_free = {n: (t / self.expected_lot_size).float() for n, t in summed.items()} if self.observe_noise_free else None
-        if self.parallel.is_main:  # noise is drawn once per step, whatever the number of ranks
-            with record_function("dpmuon.noise"):
-                for name, noisy in summed.items():
-                    std = self.block_stds[block_of[name]]
-                    if std > 0:
-                        noisy.add_(self.noise.standard_normal(noisy.shape, noisy.device), alpha=std)
-        if self.parallel.world_size > 1:
+        if self.parallel.world_size > 1:  # the grid rounds the whole lot's sum: add the shards first
             self.parallel.all_reduce_sum(list(summed.values()))
             stats = _reduce_stats(stats, self.parallel)
-        # In place, one parameter at a time: an fp32 total becomes the release itself, and a float64
-        # one is freed as its fp32 copy is made, so the peak never holds two copies of the model.
-        released = {name: summed.pop(name).div_(self.expected_lot_size).to(p.dtype) for name, p in self.params.items()}
+        released = self._noised(summed)
+        if self.noise.secure and self.parallel.world_size > 1:  # CSPRNG draws differ per rank: take rank 0's
+            shared = [g if self.parallel.is_main else torch.zeros_like(g) for g in released.values()]
+            self.parallel.all_reduce_sum(shared)  # x + 0 = x: rank 0's values exactly
+            released = dict(zip(released, shared))
         bad = [name for name, g in released.items() if not _all_finite(g)]
         if bad:  # checked before any p.grad is written: nothing half-released
             raise NonFiniteReleaseError(
@@ -202,6 +174,20 @@ class Privatizer:
         for name, p in self.params.items():
             p.grad = released[name]
         return stats
+
+    def _noised(self, summed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The release g̃ = grid(S + noise)/B of each parameter, noised on the integer grid
+        (privacy/grid.py) in float64, then cast. One parameter at a time, freeing each sum as its
+        release is made, so the peak never holds two float64 copies of the model."""
+        block_of = self.partition.block_index()
+        released = {}
+        with record_function("dpmuon.noise"):
+            for name, p in self.params.items():
+                total, std = summed.pop(name), self.block_stds[block_of[name]]
+                if std > 0:
+                    total = self.noise.grid_release(total, std)
+                released[name] = total.div_(self.expected_lot_size).to(p.dtype)
+        return released
 
     def _record(self, step: int | None, released: Mapping[str, torch.Tensor]) -> bool:
         """Write the release to the ledger (rank 0) and say whether it is charged, on every rank."""

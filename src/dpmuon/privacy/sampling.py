@@ -5,10 +5,8 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-import torch
-from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
-from .randomness import secure_uniform
+from .randomness import SecretStream, secure_uniform
 
 SAMPLINGS = ("poisson", "shuffle")
 
@@ -16,36 +14,46 @@ SAMPLINGS = ("poisson", "shuffle")
 class PoissonLotSampler:
     """Each step, every example joins the lot independently with probability q.
 
-    Draws come from Opacus' UniformWithReplacementSampler driven by our own (secretly seeded)
-    generator, so the sampler position is just the generator state: save it and the next lots
-    replay. `secure=True` draws each example's coin from the OS CSPRNG instead: nothing to
-    replay, nothing to leak. Lots may be empty; the step is still a valid, accounted
-    (noise-only) release.
+    Lot k is a function of the secret stream's key and k (privacy/randomness.py), so the
+    sampler's position is the stream's draw count: save it and the next lots replay. `secure=True`
+    draws each example's coin from the OS CSPRNG instead: nothing to replay, nothing to leak. Lots
+    may be empty; the step is still a valid, accounted (noise-only) release.
+
+    `max_lot_size` (constant-time lots) truncates a larger lot to a uniformly random subset of
+    that size, drawn from the same secret randomness; the accountant charges the probability
+    that this happens (ReleaseSlack.bad_event).
     """
 
-    def __init__(self, num_samples: int, sample_rate: float, generator: torch.Generator, secure: bool = False):
+    def __init__(self, num_samples: int, sample_rate: float, stream: SecretStream, secure: bool = False, max_lot_size: int | None = None):
         if num_samples <= 0:
             raise ValueError(f"cannot sample lots from an empty dataset (N={num_samples})")
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+        if max_lot_size is not None and max_lot_size < 1:
+            raise ValueError(f"max lot size must be >= 1, got {max_lot_size}")
         self.num_samples = num_samples
         self.sample_rate = sample_rate
-        self.generator = generator
+        self.stream = stream
         self.secure = secure
-        self._sampler = UniformWithReplacementSampler(
-            num_samples=num_samples, sample_rate=sample_rate, generator=generator, steps=1
-        )
+        self.max_lot_size = max_lot_size
 
     def next_lot(self) -> list[int]:
         if self.secure:
-            return np.flatnonzero(secure_uniform(self.num_samples) < self.sample_rate).tolist()
-        return next(iter(self._sampler))
+            lot = np.flatnonzero(secure_uniform(self.num_samples) < self.sample_rate)
+            keep = np.argsort(secure_uniform(len(lot)))
+        else:
+            (rng,) = self.stream.generators()
+            lot = np.flatnonzero(rng.random(self.num_samples) < self.sample_rate)
+            keep = rng.permutation(len(lot))
+        if self.max_lot_size is not None and len(lot) > self.max_lot_size:
+            lot = np.sort(lot[keep[: self.max_lot_size]])
+        return lot.tolist()
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"draws": self.stream.draws}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        self.stream.draws = int(state["draws"])
 
 
 class ShuffleLotSampler:
@@ -55,7 +63,7 @@ class ShuffleLotSampler:
     only to reproduce such runs, and warns.
     """
 
-    def __init__(self, num_samples: int, lot_size: int, generator: torch.Generator):
+    def __init__(self, num_samples: int, lot_size: int, stream: SecretStream):
         if not 0 < lot_size <= num_samples:
             raise ValueError(f"lot size must be in [1, N={num_samples}], got {lot_size}")
         warnings.warn(
@@ -65,32 +73,35 @@ class ShuffleLotSampler:
         )
         self.num_samples = num_samples
         self.lot_size = lot_size
-        self.generator = generator
+        self.stream = stream
         self._order: list[int] = []
         self._cursor = 0
 
     def next_lot(self) -> list[int]:
         if self._cursor + self.lot_size > len(self._order):
-            self._order = torch.randperm(self.num_samples, generator=self.generator).tolist()
+            (rng,) = self.stream.generators()
+            self._order = rng.permutation(self.num_samples).tolist()
             self._cursor = 0
         lot = self._order[self._cursor : self._cursor + self.lot_size]
         self._cursor += self.lot_size
         return lot
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "order": list(self._order), "cursor": self._cursor}
+        return {"draws": self.stream.draws, "order": list(self._order), "cursor": self._cursor}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        self.stream.draws = int(state["draws"])
         self._order = list(state["order"])
         self._cursor = int(state["cursor"])
 
 
-def build_lot_sampler(kind: str, num_samples: int, expected_lot_size: int, generator: torch.Generator, secure: bool = False):
+def build_lot_sampler(
+    kind: str, num_samples: int, expected_lot_size: int, stream: SecretStream, secure: bool = False, max_lot_size: int | None = None
+):
     if kind == "poisson":
-        return PoissonLotSampler(num_samples, expected_lot_size / num_samples, generator, secure)
+        return PoissonLotSampler(num_samples, expected_lot_size / num_samples, stream, secure, max_lot_size)
     if secure:
         raise ValueError("privacy.secure_noise=true needs privacy.sampling=poisson (shuffled lots are seeded)")
     if kind == "shuffle":
-        return ShuffleLotSampler(num_samples, expected_lot_size, generator)
+        return ShuffleLotSampler(num_samples, expected_lot_size, stream)
     raise ValueError(f"unknown sampling {kind!r}; valid: {', '.join(SAMPLINGS)}")

@@ -1,4 +1,4 @@
-"""What a study costs: the composed privacy of every run that touched one private training set.
+"""What a study costs: the composed privacy of every run that touched one private dataset.
 
     python -m dpmuon.privacy.study RUN_DIR... [--delta D]
 
@@ -8,26 +8,36 @@ composition of every charged release of every run: this module merges the runs' 
 histories and composes them with the PRV accountant at one δ.
 
 Where a run's releases come from:
-- `privacy_ledger.jsonl` (one line per release; only `"charged": true` lines cost anything);
-- else `summary.json` (runs from before ledgers): `steps` releases at its (σ, q), marked
-  "reconstructed from summary.json".
+- `privacy_ledger.jsonl` (one line per release; only `"charged": true` lines cost anything; a
+  chained ledger must chain: an edited or removed line is an error, never skipped);
+- else `summary.json` (no ledger: the ledger was lost, or the run predates ledgers):
+  `releases_charged` releases at its (σ, q) — never fewer than its `steps` — marked
+  "reconstructed from summary.json". Re-run steps after a resume are charged releases too, so
+  `steps` alone would under-count them.
 
-Runs are grouped by their private training set (dataset, N, data fingerprint) and each group is
-composed on its own — runs on other data (e.g. a public pretraining run) neither add to nor
-hide a group's cost. A run that records no fingerprint might be any set of its (dataset, N):
-it is composed into every such group (or forms one of its own), never left out.
+Runs are grouped by dataset (e2e, dart, …), not by the exact examples: a run on any subset of a
+dataset — another N, other excluded origins, the same files under another path — could have
+touched any of its examples, so every run on a dataset is composed with every other. Runs on
+other datasets (e.g. a public pretraining run) form their own groups: they neither add to nor
+hide a group's cost. The groups list the data fingerprints their runs recorded.
 
 A non-private run (no noise) on a group's data gives the group no guarantee at all: its
 `epsilon_total` is "inf" (a string: strict JSON has no infinity, and null could pass for
 "unknown"), the run is listed under `non_private_runs` with a warning on stderr, and
-`epsilon_total_private_runs` still reports what the DP runs alone compose to.
+`epsilon_total_private_runs` reports what the DP runs alone compose to.
+
+A private run without secret randomness — a ledger-less summary that records no
+`mechanism_randomness`: it predates secret randomness, and its lots and noise followed from its
+published `seed` — has no guarantee either: its ε and every total it enters are "no guarantee",
+and it is listed under `runs_without_secret_randomness`. (Ledgers and secret randomness came in
+together: a run with a ledger drew its randomness from OS entropy or a user seed.)
 
 Composition assumes the runs' noise was independent. A run seeded by the user
-(`privacy.mechanism_seed`, `"mechanism_randomness"` in its summary) shares its lots and noise
-with every run given the same seed: subtracting two such releases cancels the noise, and no
-finite ε covers those runs together. Summaries never record the seed, so the study cannot tell
-which runs shared one: it lists them under `user_seeded_runs` and warns when two or more
-private runs of a group were user-seeded.
+(`"mechanism_randomness"` says so in its summary) shares its lots and noise with every run given
+the same seed: subtracting two such releases cancels the noise, and no finite ε covers those runs
+together. Summaries never record the seed, so the study cannot tell which runs shared one: it
+lists them under `user_seeded_runs` and warns when two or more private runs of a group were
+user-seeded.
 """
 
 from __future__ import annotations
@@ -41,17 +51,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .accountant import PrivacyAccountant
+from ..jsontext import to_json
+from .accountant import PrivacyAccountant, ReleaseSlack
 from .ledger import FORMAT as LEDGER_FORMAT
-from .ledger import LEDGER_FILE
+from .ledger import LEDGER_FILE, read_chain
 from .randomness import USER_SEED
 
 SUMMARY_FILE = "summary.json"
 FROM_LEDGER = LEDGER_FILE
 RECONSTRUCTED = "reconstructed from summary.json"
 INFINITE = "inf"
+NO_GUARANTEE = "no guarantee"
 ACCOUNTANT = "prv"
 USAGE_ERROR = 2
+LEDGER_FORMATS = (1, LEDGER_FORMAT)  # 1: before the hash chain (its lines are read, not checked)
 
 History = list[tuple[float, float, int]]  # (σ, q, releases), as in PrivacyAccountant.history
 
@@ -61,46 +74,41 @@ class StudyError(ValueError):
 
 
 @dataclass(frozen=True)
-class TrainingSet:
-    """The private examples a run trained on; fingerprint None: not recorded (unknown)."""
-
-    dataset: str
-    size: int | None
-    fingerprint: str | None
-
-    def could_be(self, other: TrainingSet) -> bool:
-        """Whether the two may be the same examples: an unknown fingerprint matches any."""
-        same_fingerprint = None in (self.fingerprint, other.fingerprint) or self.fingerprint == other.fingerprint
-        return (self.dataset, self.size) == (other.dataset, other.size) and same_fingerprint
-
-    def describe(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "dataset_size": self.size, "data_fingerprint": self.fingerprint}
-
-
-@dataclass(frozen=True)
 class RunRecord:
     """One run's charged releases and the training set they came from."""
 
     path: Path
-    training_set: TrainingSet
+    dataset: str
+    dataset_size: int | None
+    fingerprint: str | None  # of the examples used; None: not recorded
     private: bool
     delta: float | None  # None: non-private runs record none
     history: tuple[tuple[float, float, int], ...]  # charged releases
     uncharged: int  # replays identical to an earlier release: free
     source: str  # FROM_LEDGER or RECONSTRUCTED
     optimizer: str | None = None
-    user_seeded: bool = False  # lots and noise from privacy.mechanism_seed: maybe shared with other runs
+    user_seeded: bool = False  # lots and noise from a user's mechanism seed: maybe shared with other runs
+    secret_randomness: bool = True  # False: lots and noise followed from the published seed
+    slack: ReleaseSlack = ReleaseSlack()  # per charged release, beyond the ideal mechanism (none before the grid release)
 
     @property
     def charged(self) -> int:
         return sum(n for _, _, n in self.history)
+
+    @property
+    def guaranteed(self) -> bool:
+        """Whether any finite ε covers this run: noise, drawn from randomness nobody else knows."""
+        return self.private and self.secret_randomness
 
     def describe(self) -> dict[str, Any]:
         return {
             "run": str(self.path),
             "optimizer": self.optimizer,
             "private": self.private,
+            "secret_randomness": self.secret_randomness if self.private else None,
             "ledger": self.source,
+            "dataset_size": self.dataset_size,
+            "data_fingerprint": self.fingerprint,
             "charged_releases": self.charged,
             "uncharged_releases": self.uncharged,
         }
@@ -159,50 +167,53 @@ def _read_json(file: Path) -> dict[str, Any]:
 
 
 def from_summary(path: Path, summary: dict[str, Any]) -> RunRecord:
-    """A run before ledgers: `steps` releases at its (σ, q), all charged."""
+    """A run without a ledger: its charged releases, all at its (σ, q)."""
     where = path / SUMMARY_FILE
     sigma = _number(summary, "noise_multiplier", where)
     q = _number(summary, "sample_rate", where)
-    steps = summary.get("steps")
-    if not _is_count(steps):
-        raise StudyError(f"{where}: 'steps' must be a non-negative integer, got {steps!r}")
+    counts = {key: summary.get(key) for key in ("steps", "releases_charged") if summary.get(key) is not None}
+    for key, value in counts.items():
+        if not _is_count(value):
+            raise StudyError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
+    if not counts:
+        raise StudyError(f"{where}: 'releases_charged' or 'steps' must be a non-negative integer, got {summary.get('steps')!r}")
+    # Every step up to `steps` was released at least once, and a resume charges re-run steps
+    # again: releases_charged counts those. Neither may shrink the other.
+    releases = max(counts.values())
     # The artifact contract marks non-private runs with noise_multiplier 0; newer ones say so too.
     private = summary.get("private", sigma != 0) is not False and sigma > 0
     return RunRecord(
         path=path,
-        training_set=_training_set(summary, where),
+        **_training_set(summary, where),
         private=private,
         delta=_delta(summary.get("delta"), where) if private else None,
-        history=((sigma, q, steps),) if steps else (),
+        history=((sigma, q, releases),) if releases else (),
         uncharged=0,
         source=RECONSTRUCTED,
         optimizer=summary.get("optimizer"),
         user_seeded=summary.get("mechanism_randomness") == USER_SEED,
+        secret_randomness=bool(summary.get("mechanism_randomness")),
+        slack=_slack(summary, where),
     )
 
 
 def _from_ledger(path: Path, summary: dict[str, Any] | None) -> RunRecord:
     file = path / LEDGER_FILE
-    lines = file.read_text(encoding="utf-8").splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            if number == len(lines):
-                break  # a torn last line: the crash came before its release reached anything
-            raise StudyError(f"{file}:{number}: not valid JSON ({error})") from error
-    if not records or not isinstance(records[0], dict) or records[0].get("kind") != "header":
+    *lines, _torn = file.read_bytes().split(b"\n")  # a torn last line: its release was never used
+    records, error = read_chain(file, lines)
+    if error is not None:
+        raise StudyError(error)
+    if not records:
         raise StudyError(f"{file}:1: the first line must be the ledger header")
     header = records[0]
-    if header.get("format") != LEDGER_FORMAT:
-        raise StudyError(f"{file}:1: ledger format {header.get('format')!r}, this reader knows {LEDGER_FORMAT}")
+    if header.get("format") not in LEDGER_FORMATS:
+        raise StudyError(f"{file}:1: ledger format {header.get('format')!r}, this reader knows {', '.join(map(str, LEDGER_FORMATS))}")
     history, uncharged = _charged_history(file, records[1:])
     noiseless = any(sigma <= 0 for sigma, _, _ in history)
     private = not noiseless and (summary or {}).get("private", True) is not False
     return RunRecord(
         path=path,
-        training_set=_training_set(header, file),
+        **_training_set(header, file),
         private=private,
         delta=_delta(header.get("delta"), file) if private else None,
         history=tuple(history),
@@ -210,16 +221,15 @@ def _from_ledger(path: Path, summary: dict[str, Any] | None) -> RunRecord:
         source=FROM_LEDGER,
         optimizer=(summary or {}).get("optimizer"),
         user_seeded=(summary or {}).get("mechanism_randomness") == USER_SEED,
+        slack=_slack(header, file),
     )
 
 
-def _charged_history(file: Path, releases: Sequence[Any]) -> tuple[History, int]:
+def _charged_history(file: Path, releases: Sequence[dict[str, Any]]) -> tuple[History, int]:
     history: History = []
     uncharged = 0
     for number, release in enumerate(releases, start=2):
         where = f"{file}:{number}"
-        if not isinstance(release, dict) or release.get("kind") != "release":
-            raise StudyError(f"{where}: expected a release line")
         if not isinstance(release.get("charged"), bool):
             raise StudyError(f"{where}: 'charged' must be true or false")
         sigma, q = _number(release, "noise_multiplier", where), _number(release, "sample_rate", where)
@@ -232,7 +242,7 @@ def _charged_history(file: Path, releases: Sequence[Any]) -> tuple[History, int]
     return history, uncharged
 
 
-def _training_set(record: dict[str, Any], where: Path) -> TrainingSet:
+def _training_set(record: dict[str, Any], where: Path) -> dict[str, Any]:
     dataset, size, fingerprint = record.get("dataset"), record.get("dataset_size"), record.get("data_fingerprint")
     if not isinstance(dataset, str) or not dataset:
         raise StudyError(f"{where}: 'dataset' must be a non-empty string, got {dataset!r}")
@@ -240,7 +250,7 @@ def _training_set(record: dict[str, Any], where: Path) -> TrainingSet:
         raise StudyError(f"{where}: 'dataset_size' must be a non-negative integer, got {size!r}")
     if fingerprint is not None and not isinstance(fingerprint, str):
         raise StudyError(f"{where}: 'data_fingerprint' must be a string, got {fingerprint!r}")
-    return TrainingSet(dataset, size, fingerprint or None)
+    return {"dataset": dataset, "dataset_size": size, "fingerprint": fingerprint or None}
 
 
 def _number(record: dict[str, Any], key: str, where: Path | str) -> float:
@@ -248,6 +258,12 @@ def _number(record: dict[str, Any], key: str, where: Path | str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise StudyError(f"{where}: {key!r} must be a finite number, got {value!r}")
     return float(value)
+
+
+def _slack(record: dict[str, Any], where: Path) -> ReleaseSlack:
+    """The per-release slack a ledger header or summary records (runs before it: none)."""
+    slack = record.get("release_slack") or {}
+    return ReleaseSlack(**{key: _number(slack, key, where) for key in ("epsilon", "bad_event") if key in slack})
 
 
 def _delta(value: Any, where: Path) -> float:
@@ -275,22 +291,37 @@ def merged_history(runs: Iterable[RunRecord]) -> History:
 
 
 def composed_epsilon(runs: Iterable[RunRecord], delta: float) -> float:
-    """ε at δ of releasing every run: PRV over the merged charged history; inf if any run is non-private."""
+    """ε at δ of releasing every run: PRV over the merged charged history; inf if any run has no
+    guarantee (no noise, or noise anyone could regenerate)."""
     runs = list(runs)
-    if not all(run.private for run in runs):
+    if not all(run.guaranteed for run in runs):
         return math.inf
-    accountant = PrivacyAccountant(delta, ACCOUNTANT)
-    accountant.history = merged_history(runs)
+    history = merged_history(runs)
+    releases = sum(n for _, _, n in history)
+    # Each run's releases bring their own slack; spread over all releases, the totals stay the same.
+    slack = ReleaseSlack(*(sum(getattr(r.slack, f) * r.charged for r in runs) / max(releases, 1) for f in ("epsilon", "bad_event")))
+    accountant = PrivacyAccountant(delta, ACCOUNTANT, slack)
+    accountant.history = history
     return accountant.epsilon()
+
+
+def study_epsilon(runs: Sequence[RunRecord], delta: float | None) -> float | str:
+    """What releasing every run costs, as the report says it: ε, "inf" or "no guarantee"."""
+    if any(not run.private for run in runs):
+        return INFINITE
+    if any(not run.secret_randomness for run in runs):
+        return NO_GUARANTEE
+    if not any(run.history for run in runs):
+        return 0.0
+    return composed_epsilon(runs, delta)
 
 
 @dataclass
 class StudyGroup:
-    """The runs that may have touched one training set."""
+    """Every run on one dataset: whichever subset each used, it could have touched any example."""
 
-    training_set: TrainingSet
+    dataset: str
     runs: list[RunRecord] = field(default_factory=list)
-    assumed: list[RunRecord] = field(default_factory=list)  # no fingerprint: counted here to be safe
 
     @property
     def private_runs(self) -> list[RunRecord]:
@@ -299,6 +330,10 @@ class StudyGroup:
     @property
     def non_private_runs(self) -> list[RunRecord]:
         return [run for run in self.runs if not run.private]
+
+    @property
+    def runs_without_secret_randomness(self) -> list[RunRecord]:
+        return [run for run in self.private_runs if not run.secret_randomness]
 
     @property
     def user_seeded_runs(self) -> list[RunRecord]:
@@ -316,26 +351,32 @@ class StudyGroup:
             )
         return deltas[0] if deltas else None
 
+    def sizes(self) -> list[int]:
+        return sorted({run.dataset_size for run in self.runs if run.dataset_size is not None})
+
+    def fingerprints(self) -> list[str]:
+        return sorted({run.fingerprint for run in self.runs if run.fingerprint is not None})
+
     def label(self) -> str:
-        size = "N not recorded" if self.training_set.size is None else f"N={self.training_set.size}"
-        fingerprint = self.training_set.fingerprint
-        data = f"data {fingerprint[:12]}" if fingerprint else "no data fingerprint recorded"
-        return f"{self.training_set.dataset} ({size}, {data})"
+        sizes = self.sizes()
+        if not sizes:
+            return f"{self.dataset} (N not recorded)"
+        return f"{self.dataset} (N={', '.join(map(str, sizes))}{'; every subset counted together' if len(sizes) > 1 else ''})"
 
     def report(self, delta_override: float | None = None) -> dict[str, Any]:
         delta = self.delta(delta_override)
-        per_run = {str(run.path): _json_epsilon(_run_epsilon(run, delta)) for run in self.runs}
-        private_total = composed_epsilon(self.private_runs, delta) if self.private_runs else 0.0
         return {
-            **self.training_set.describe(),
+            "dataset": self.dataset,
+            "dataset_sizes": self.sizes(),
+            "data_fingerprints": self.fingerprints(),
             "delta": delta,
             "accountant": ACCOUNTANT,
             "runs": [run.describe() for run in self.runs],
-            "epsilon_per_run": per_run,
-            "epsilon_total": _json_epsilon(math.inf if self.non_private_runs else private_total),
-            "epsilon_total_private_runs": _json_epsilon(private_total),
+            "epsilon_per_run": {str(run.path): study_epsilon([run], delta) for run in self.runs},
+            "epsilon_total": study_epsilon(self.runs, delta),
+            "epsilon_total_private_runs": study_epsilon(self.private_runs, delta),
             "non_private_runs": [str(run.path) for run in self.non_private_runs],
-            "runs_without_fingerprint": [str(run.path) for run in self.assumed],
+            "runs_without_secret_randomness": [str(run.path) for run in self.runs_without_secret_randomness],
             "user_seeded_runs": [str(run.path) for run in self.user_seeded_runs],
             "warnings": self.warnings(),
         }
@@ -348,53 +389,31 @@ class StudyGroup:
                 "a study that includes them gives this data no differential-privacy guarantee (ε = inf); "
                 "that is fine only if this data is public"
             )
-        if self.assumed:
+        if self.runs_without_secret_randomness:
             notes.append(
-                f"{len(self.assumed)} run(s) record no data fingerprint and are counted as if they "
-                f"trained on {self.label()}"
+                f"{len(self.runs_without_secret_randomness)} private run(s) on {self.label()} record no secret mechanism "
+                "randomness (they predate it: lots and noise followed from the published seed, so anyone can regenerate "
+                "and subtract the noise): no ε covers them, alone or in the study (no guarantee)"
             )
         if len(self.user_seeded_runs) > 1:
             notes.append(
                 f"{len(self.user_seeded_runs)} private runs on {self.label()} drew their lots and noise from a "
-                "user-supplied privacy.mechanism_seed: epsilon_total assumes every one of those seeds was distinct "
+                "user-supplied mechanism_seed (DPMUON_MECHANISM_SEED or privacy.mechanism_seed_file): epsilon_total "
+                "assumes every one of those seeds was distinct "
                 "and secret. Runs that shared a seed (a paired comparison) reused one noise draw, and no finite ε "
                 "covers them together"
             )
         return notes
 
 
-def _run_epsilon(run: RunRecord, delta: float | None) -> float:
-    if not run.private:
-        return math.inf
-    if not run.history:
-        return 0.0
-    return composed_epsilon([run], delta)
-
-
-def _json_epsilon(value: float) -> float | str:
-    return INFINITE if math.isinf(value) else value
-
-
 def group_runs(runs: Sequence[RunRecord]) -> list[StudyGroup]:
-    """One group per known training set; a run without fingerprint joins every set it could be."""
-    known: dict[TrainingSet, StudyGroup] = {}
+    """One group per dataset: runs on any subsets of it, from any path, are composed together."""
+    groups: dict[str, StudyGroup] = {}
     for run in runs:
-        if run.training_set.fingerprint is not None:
-            known.setdefault(run.training_set, StudyGroup(run.training_set)).runs.append(run)
-    unknown: dict[TrainingSet, StudyGroup] = {}
-    for run in runs:
-        if run.training_set.fingerprint is not None:
-            continue
-        matches = [group for key, group in known.items() if run.training_set.could_be(key)]
-        for group in matches:
-            group.runs.append(run)
-            group.assumed.append(run)
-        if not matches:
-            unknown.setdefault(run.training_set, StudyGroup(run.training_set)).runs.append(run)
-    groups = list(known.values()) + list(unknown.values())
-    for group in groups:
+        groups.setdefault(run.dataset, StudyGroup(run.dataset)).runs.append(run)
+    for group in groups.values():
         group.runs.sort(key=lambda run: str(run.path))
-    return sorted(groups, key=lambda g: (g.training_set.dataset, g.training_set.size or 0, g.training_set.fingerprint or ""))
+    return [groups[name] for name in sorted(groups)]
 
 
 def study_report(runs: Sequence[RunRecord], delta: float | None = None) -> dict[str, Any]:
@@ -405,8 +424,8 @@ def study_report(runs: Sequence[RunRecord], delta: float | None = None) -> dict[
     return {
         "groups": [group.report(delta) for group in groups],
         "warnings": [
-            f"the runs touched {len(groups)} different training sets; each group is composed on its own "
-            "(a person present in several sets pays each group's ε)"
+            f"the runs touched {len(groups)} different datasets; each group is composed on its own "
+            "(a person present in several datasets pays each group's ε)"
         ],
     }
 
@@ -436,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     for warning in all_warnings(report):
         print(f"WARNING: {warning}", file=sys.stderr)
-    print(json.dumps(report, indent=2))
+    print(to_json(report, indent=2))
     return 0
 
 

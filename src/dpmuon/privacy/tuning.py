@@ -19,7 +19,6 @@ K, or the other runs, leaves only the composition of the K runs (`python -m dpmu
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import secrets
 import sys
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
+from ..jsontext import to_json
 from .accountant import RDP_ORDERS, PrivacyAccountant
 
 History = Sequence[tuple[float, float, int]]  # (σ, q, steps), as in PrivacyAccountant.history
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"python -m dpmuon.privacy.tuning: error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(bound.as_dict()))
+    print(to_json(bound.as_dict()))
     return 0
 
 

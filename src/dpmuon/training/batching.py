@@ -12,6 +12,10 @@ each example's forward and backward see the same shapes whatever else is in the 
 per-row kernels give it the same contribution bit for bit. Rows that only fill a micro-batch
 up are marked False in `EXAMPLE_MASK`: no supervised labels (zero gradient), and the engines
 give them factor 0 and leave them out of every count.
+
+Constant-time lots (privacy.constant_time) go one step further: `pad_to` fills the lot up with
+such rows to a fixed row count, so every step runs the same number of same-shaped micro-batches
+whatever the lot's size, and its duration says nothing about it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def lot_micro_batches(
     *,
     fixed_width: int | None = None,
     fixed_rows: bool = False,
+    pad_to: int | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield the lot's examples (indices into `examples`) as collated CPU micro-batches.
 
@@ -41,15 +46,21 @@ def lot_micro_batches(
     (the dataset's max_length or the model's context); an example longer than it is an error.
     fixed_rows: give every micro-batch `micro_batch_size` rows, the last one filled up with
     label-free rows, and add the `EXAMPLE_MASK` key ([B] bool, True on the lot's examples).
-    An empty lot yields nothing.
+    An empty lot yields nothing. pad_to (with fixed_rows): fill the lot up to this many rows,
+    i.e. always yield ⌈pad_to / micro_batch_size⌉ micro-batches; a larger lot is an error.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+    if pad_to is not None and not fixed_rows:
+        raise ValueError("pad_to needs fixed_rows: filler rows are told apart by the example mask")
+    if pad_to is not None and len(lot) > pad_to:
+        raise ValueError(f"a lot of {len(lot)} examples exceeds the constant-time bound of {pad_to} rows")
     ordered = sorted(lot, key=lambda i: len(examples[i].input_ids))
     longest = len(examples[ordered[-1]].input_ids) if ordered else 0
     if fixed_width is not None and longest > fixed_width:
         raise ValueError(f"an example of {longest} tokens does not fit the fixed width of {fixed_width}")
-    for start in range(0, len(ordered), micro_batch_size):
+    rows = len(ordered) if pad_to is None else pad_to
+    for start in range(0, rows, micro_batch_size):
         chosen = [examples[i] for i in ordered[start : start + micro_batch_size]]
         filler = micro_batch_size - len(chosen) if fixed_rows else 0
         batch = collate(chosen + [_filler_row(pad_id)] * filler, pad_id)

@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..data import (
-    EncodedExample,
-    EvalItem,
-    Example,
-    default_data_root,
-    encode_for_training,
-    group_references,
-    load_examples,
-    locate_split,
-)
-from ..data.layout import resolve_format
+import numpy as np
+
+from ..data import EncodedExample, EvalItem, Example, encode_for_training, group_references, load_examples
 
 
 @dataclass
@@ -27,7 +17,7 @@ class RunData:
     valid: list[EncodedExample]
     test_items: list[EvalItem]
     test: list[EncodedExample]  # every (source, reference) pair of test_items, for test NLL
-    train_source: str  # which private training set this is; see train_source_fingerprint
+    train_source: str  # which private training set this is; see train_fingerprint
 
 
 def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None]) -> RunData:
@@ -49,27 +39,28 @@ def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int
     pairs = [Example(item.source, ref) for item in test_items for ref in item.references]
     test, dropped = encode_for_training(pairs, tokenizer, context_length)
     log(f"{name} test: {len(test_items):,} sources, {len(test):,} reference pairs ({dropped} beyond the context length)")
-    return RunData(train, valid, test_items, test, train_source_fingerprint(dataset, data))
+    return RunData(train, valid, test_items, test, train_fingerprint(train))
 
 
-def train_source_fingerprint(dataset: Mapping, data: Mapping) -> str:
-    """SHA-256 naming the private training set by where it comes from, never by its content.
+def train_fingerprint(train: Sequence[EncodedExample]) -> str:
+    """SHA-256 of the training examples the run samples from: each one's token ids and labels, in order.
 
-    Dataset, format, excluded origins, subset size and the resolved training file identify the
-    examples for study-level accounting. A hash of the examples themselves would be a
-    deterministic, non-private function of the data: anyone who knows all but one example
-    could test candidates for the last one against it.
+    The content, not where it was read from: the same examples under another path, format
+    directory or data root are the same private set (and a resume on other examples is
+    refused). Study-level accounting does not rely on it: `dpmuon.privacy.study` composes every
+    run on a dataset, whatever subset it used.
+
+    A hash of the examples is a deterministic function of the private data outside the DP
+    guarantee — someone who knows all examples but one can test candidates for the last one
+    against it — so it is kept only in the owner-only mechanism state (to refuse a resume on
+    other examples), never in the ledger, the summary or anything else a run publishes.
     """
-    name, fmt = dataset["name"], resolve_format(dataset["name"], dataset.get("format"))
-    root = data.get("root") or default_data_root()
-    source = {
-        "dataset": name,
-        "format": fmt,
-        "exclude_origins": sorted(dataset.get("exclude_origins") or ()),
-        "max_train_examples": data.get("max_train_examples"),
-        "train_file": str(Path(locate_split(name, "train", root, fmt)).resolve()),
-    }
-    return hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
+    h = hashlib.sha256()
+    for example in train:
+        for ids in (example.input_ids, example.labels):
+            h.update(len(ids).to_bytes(8, "little"))  # lengths delimit: no two lists hash alike
+            h.update(np.asarray(ids, dtype="<i8").tobytes())
+    return h.hexdigest()
 
 
 def _first(items: list, limit) -> list:

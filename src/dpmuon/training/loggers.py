@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,11 +41,12 @@ class LocalLogger(NullLogger):
 class WandbLogger(LocalLogger):
     """Also logs to W&B: config, per-step rows, summary and the run's curves.
 
-    Offline (./wandb/offline-run-*, upload with `wandb sync`) when no API key is configured.
-    With `per_step=False` (non-private diagnostics off) W&B sees only the rows the loop marks
-    for publishing (evaluation points and the last step), collects no system metrics and
-    captures no console: W&B stamps every logged row with its wall time, and per-step times,
-    like system load, track the lot size.
+    Offline (<run dir>/wandb/offline-run-*, upload with `wandb sync`) when no API key is configured.
+    With `per_step=False` (non-private diagnostics not published) W&B sees only the rows the
+    loop marks for publishing (evaluation points and the last step), collects no system metrics,
+    captures no console, and its debug logs (a timestamped line per event) are removed when the
+    run ends: W&B stamps every logged row with its wall time, and per-step times, like system
+    load, track the lot size unless the steps are constant-time.
     """
 
     def __init__(self, run_dir: Path, cfg: Mapping, config: Mapping, run_id: str | None, name: str, per_step: bool = True):
@@ -70,6 +72,11 @@ class WandbLogger(LocalLogger):
         )
         self.per_step = per_step
         self.run_id = self._run.id if self._run is not None else None
+        settings = getattr(self._run, "settings", None)
+        # W&B's own debug logs, and the links to them beside the run folders (not needed to sync).
+        self._debug_logs = [] if per_step or settings is None else [
+            Path(path) for path in (settings.log_symlink_user, settings.log_symlink_internal, settings.log_dir)
+        ]  # fmt: skip
 
     def log(self, row: Mapping, publish: bool = True) -> None:
         super().log(row)
@@ -91,6 +98,11 @@ class WandbLogger(LocalLogger):
 
     def finish(self) -> None:
         self._wandb.finish()
+        for path in self._debug_logs:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def _has_netrc_key() -> bool:

@@ -9,12 +9,13 @@ The private part is three lines per step — sample a lot, `privatizer.release(.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import signal
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +23,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from ..config.schema import blamed_on
+from ..config.schema import blamed_on, one_line
 from ..config.schema import validate as validate_config
-from ..data import load_tokenizer
+from ..data import DataError, load_tokenizer
 from ..diagnostics import OracleAlignment
 from ..errors import UserError
 from ..eval.curves import write_curves
 from ..eval.metrics import SCORE_KEYS, score
-from ..eval.runs import Run, RunSummary, learning_rates
+from ..eval.runs import DIAGNOSTICS_FILE, Run, RunSummary, learning_rates
 from ..models import build_model, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss, weights_fingerprint
 from ..optim import OptimizerInputs, build_optimizer
 from ..optim.schedules import build_scheduler
+from ..outcomes import NON_FINITE, Interrupted
 from ..privacy import (
     LEDGER_FILE,
     GaussianNoise,
@@ -44,21 +46,33 @@ from ..privacy import (
     PrivacyLedger,
     Privatizer,
     ReplayMismatchError,
+    ShuffleLotSampler,
     build_lot_sampler,
     build_partition,
 )
 from ..privacy.blocks import BlockPartition, partition_summary
 from ..privacy.distributed import DataParallel, init_data_parallel
+from ..privacy.ledger import LedgerIntegrityError
+from ..privacy.lot_bound import lot_bound
 from .batching import lot_micro_batches
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_restore, rng_snapshot, save_checkpoint
 from .data import RunData, prepare_data
 from .evaluation import decode, token_nll
 from .loggers import NullLogger, build_logger
-from .mechanism_state import MECHANISM_STATE_FILE, load_mechanism_state, save_mechanism_state
-from .plan import PrivacyPlan, check_resume_compatible, make_plan, within_budget
-from .redact import REDACTED, redact
-from .run_files import MetricsLog, atomic_write, atomic_write_json, code_version, command_line, repo_relative
+from .mechanism_state import (
+    MECHANISM_STATE_FILE,
+    discard_mechanism_state,
+    has_saved_state,
+    load_mechanism_state,
+    remove_left_temp_files,
+    save_mechanism_state,
+    saved_mechanism_states,
+)
+from .plan import PrivacyPlan, check_private_inputs, check_resume_compatible, make_plan, plan_length, within_budget
+from .run_files import MetricsLog, atomic_write, atomic_write_json, code_version, command_line, freeze_times, repo_relative
+from .run_identity import check_same_run, config_identity, run_dir_claimed
 from .runtime import StopRequest, autocast_factory, log, resolve_device, resolve_precision
+from .secret import STRONG_SEED, WEAK_SEED_WARNING, record_seed_use, user_mechanism_secret
 
 
 @dataclass
@@ -87,6 +101,8 @@ class Training:
     oracle: OracleAlignment | None
     fixed_width: int | None  # fixed micro-batch shapes (bf16): see training/batching.py
     metrics: MetricsLog
+    diagnostic_rows: MetricsLog | None = None  # diagnostics.jsonl (owner-only): logging.nonprivate_diagnostics=file
+    padded_rows: int | None = None  # constant-time lots: the rows this rank processes every step
     logger: Any = None
     start_step: int = 0
     last_step: int = 0
@@ -98,7 +114,14 @@ class Training:
 
     @property
     def diagnostics(self) -> bool:
-        return bool(self.cfg.logging.nonprivate_diagnostics)
+        """Whether the raw lot's quantities are computed at all (logging.nonprivate_diagnostics)."""
+        return diagnostics_mode(self.cfg) != "false"
+
+    @property
+    def publish_diagnostics(self) -> bool:
+        """Whether they go where the releases go (metrics.jsonl, W&B, console). A non-private run
+        has no guarantee to keep: its model is as revealing as its diagnostics."""
+        return diagnostics_mode(self.cfg) == "publish" or (self.diagnostics and not self.private)
 
     @property
     def validate(self) -> bool:
@@ -118,9 +141,21 @@ class Training:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """Train, evaluate and write the run's artifacts; returns the summary (None on ranks > 0)."""
+    """Train, evaluate and write the run's artifacts; returns the summary (None on ranks > 0).
+
+    One run per folder: the run holds the folder's lock throughout, and a new run refuses a
+    folder that holds another run's files (training/run_identity.py)."""
     validate_config(cfg)  # types, ranges and choices: before any data, tokenizer or model is read
-    version, command = code_version(), redact(command_line())  # of the code that starts the run
+    with run_dir_claimed(run_dir, cfg):
+        summary = run_claimed(cfg, run_dir)
+    if summary is not None and summary["max_lot_size"] is not None:  # constant-time lots
+        freeze_times(run_dir)  # last, the lock file removed too: every write and removal of the run is done
+    return summary
+
+
+def run_claimed(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """`run`, in a folder this process holds."""
+    version, command = code_version(), command_line()  # of the code that starts the run (argv holds no seed: see train.cli)
     t = setup(cfg, run_dir)
     try:
         resume(t)
@@ -130,9 +165,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         t.parallel.leave()  # nothing after training is collective: rank 0 evaluates alone
     if not t.parallel.is_main:  # rank 0 evaluates and writes the artifacts
         return None
-    test_nll, scores = evaluate(t)
-    summary = run_summary(t, stop_reason, test_nll, scores, version, command).as_dict()
-    finish(t, summary)
+    try:
+        diverged = stop_reason is not None and stop_reason.startswith(NON_FINITE)
+        test_nll, scores = (None, dict.fromkeys(SCORE_KEYS)) if diverged else evaluate(t)
+        if test_nll is not None and not math.isfinite(test_nll):
+            stop_reason = f"{NON_FINITE}: the test NLL is {test_nll} after step {t.last_step} (the model diverged; lower the learning rate)"
+            log(stop_reason)
+        summary = run_summary(t, stop_reason, test_nll, scores, version, command).as_dict()
+        finish(t, summary)
+    finally:  # training is over, even if evaluation or the logger failed: no step is left to replay
+        discard_mechanism_state(t.run_dir, keep=bool(t.cfg.privacy.get("keep_mechanism_state", False)))
     return summary
 
 
@@ -150,24 +192,34 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     run_dir = Path(parallel.broadcast_object(str(run_dir)) if parallel.world_size > 1 else run_dir)
     if parallel.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        remove_left_temp_files(run_dir)  # a kill mid-write left generator states there
+        if cfg.resume is None:  # before anything can fail: a resume must know (train.resolve_run)
+            record_seed_use(run_dir, user_mechanism_secret(cfg) is not None)
 
     # Data first: input errors surface before any model is built or downloaded.
     with blamed_on("model.tokenizer", cfg.model.tokenizer):
         tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.get("bpe_merges"))
     with blamed_on("model.name_or_path", cfg.model.name_or_path):
         max_length = context_length(cfg.model)
-    data = prepare_data(cfg.dataset, cfg.data, tokenizer, max_length, log)
-    plan = privacy_plan(cfg, len(data.train))
-    # The model only after the plan: δ < 1/N and the other plan checks need only N.
+    try:
+        data = prepare_data(cfg.dataset, cfg.data, tokenizer, max_length, log)
+    except OSError as err:  # e.g. an unreadable file: name it, and the key that says where data comes from
+        raise DataError(
+            f"cannot read {err.filename or 'the data'}: {err.strerror or one_line(err)}; "
+            "data.root sets the data folder (null: $DPMUON_DATA_DIR, else data/raw/)"
+        ) from err
+    check_plan_inputs(cfg, len(data.train))  # δ < 1/N and the other plan checks need only N: before the model
     with blamed_on("model.name_or_path", cfg.model.name_or_path):
         model = build_model(cfg.model, tokenizer, seed=int(cfg.seed)).to(device)
     initial_weights = weights_fingerprint(model)
-
-    # The mechanism's randomness is secret (never from `seed`); `seed` drives what is public.
-    randomness = mechanism_randomness(cfg, device, parallel)
-    generators = {"probes": torch.Generator(device=device).manual_seed(int(cfg.seed) * 3 + 3)}
     matrices = hidden_matrices(model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    # σ is calibrated with what the release's float noise costs, which grows with its size.
+    plan = privacy_plan(cfg, len(data.train), released_coordinates=sum(p.numel() for p in named.values()))
+
+    # The mechanism's randomness is secret (never from `seed`); `seed` drives what is public.
+    randomness = mechanism_randomness(cfg, parallel)
+    generators = {"probes": torch.Generator(device=device).manual_seed(int(cfg.seed) * 3 + 3)}
     ledger = open_ledger(cfg, run_dir, plan, data, parallel)
     noise = GaussianNoise(randomness.noise, secure=randomness.secure)
     partition, release = build_release(cfg, model, named, matrices, plan, noise, parallel, ledger)
@@ -177,23 +229,43 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
         OmegaConf.to_container(cfg.optimizer, resolve=True),
     )
     sampling = cfg.privacy.sampling if plan.private else "poisson"
-    sampler = build_lot_sampler(sampling, plan.dataset_size, plan.expected_lot_size, randomness.sampler, secure=randomness.secure)
+    sampler = build_lot_sampler(
+        sampling, plan.dataset_size, plan.expected_lot_size, randomness.sampler, secure=randomness.secure, max_lot_size=plan.max_lot_size
+    )
     with blamed_on("optimizer.warmup_steps", cfg.optimizer.warmup_steps):
         scheduler = build_scheduler(optimizer, cfg.optimizer.schedule, plan.steps, int(cfg.optimizer.warmup_steps))
     oracle = build_oracle(cfg, getattr(optimizer, "parts", {}).get("muon"), {p: n for n, p in named.items()}, release, parallel)
     # Under bf16 a kernel's rounding depends on the batch shape: fixed shapes keep each example's
     # clipped contribution independent of the rest of the lot (see training/batching.py).
-    fixed_shape = plan.private and fixed_batch_shape(cfg, resolve_precision(cfg.trainer.precision, device))
+    # Constant-time lots need them too: a micro-batch's width would time its longest example.
+    constant = plan.max_lot_size is not None
+    fixed_shape = plan.private and (constant or fixed_batch_shape(cfg, resolve_precision(cfg.trainer.precision, device)))
+    own_file = plan.private and diagnostics_mode(cfg) == "file" and parallel.is_main  # rank 0 writes the run's files
+    if plan.private and not constant and diagnostics_mode(cfg) != "publish":
+        log("privacy.constant_time=false: step times track the lot sizes, and so do the times W&B, the console and the file times record")
     return Training(
         cfg, run_dir, device, parallel, autocast_factory(cfg.trainer.precision, device), tokenizer, data, plan, model,
         initial_weights, randomness, generators, named, ledger, partition, release, optimizer, sampler,
         scheduler, oracle, min(int(cfg.dataset.max_length), max_length) if fixed_shape else None, MetricsLog(run_dir / "metrics.jsonl"),
+        diagnostic_rows=MetricsLog(run_dir / DIAGNOSTICS_FILE, secret=True) if own_file else None,
+        padded_rows=-(-plan.max_lot_size // parallel.world_size) if constant else None,  # shard() gives rank 0 the most
     )
 
 
-def privacy_plan(cfg: DictConfig, dataset_size: int) -> PrivacyPlan:
+def check_plan_inputs(cfg: DictConfig, dataset_size: int) -> None:
+    """The plan's checks that need only N (the lot, the steps, δ < 1/N, the accountant's range)."""
+    plan_length(dataset_size, int(cfg.privacy.expected_lot_size), cfg.trainer.epochs, cfg.trainer.steps)
+    if cfg.optimizer.private:
+        check_private_inputs(dataset_size, float(cfg.privacy.target_epsilon), float(cfg.privacy.delta), str(cfg.privacy.accountant))
+
+
+def privacy_plan(cfg: DictConfig, dataset_size: int, released_coordinates: int) -> PrivacyPlan:
     """q, steps and σ, fixed before step 1 (and said)."""
+    max_lot_size, truncation = lot_limit(cfg, dataset_size)
     plan = make_plan(
+        max_lot_size=max_lot_size,
+        truncation_probability=truncation,
+        released_coordinates=released_coordinates,
         private=bool(cfg.optimizer.private),
         dataset_size=dataset_size,
         expected_lot_size=int(cfg.privacy.expected_lot_size),
@@ -208,7 +280,9 @@ def privacy_plan(cfg: DictConfig, dataset_size: int) -> PrivacyPlan:
         log(
             f"privacy plan: N={plan.dataset_size:,}, q={plan.sample_rate:.5f}, {plan.steps} steps, "
             f"σ={plan.noise_multiplier:.4f} → ε={plan.planned_epsilon:.4f} ≤ {plan.target_epsilon} at δ={plan.delta:g} "
-            f"(δ·N={plan.delta_times_n:.3g}, {plan.accountant})"
+            f"(δ·N={plan.delta_times_n:.3g}, {plan.accountant}; the float64 release of {plan.released_coordinates:,} "
+            f"coordinates adds {plan.steps * plan.slack.epsilon:.2g} to ε)"
+            + (f"; constant-time lots of {plan.max_lot_size} rows (truncated w.p. {plan.truncation_probability:.2g} per step)" if max_lot_size else "")
         )
     else:
         log(f"NON-PRIVATE reference run: N={plan.dataset_size:,}, {plan.steps} steps, no clipping, no noise")
@@ -223,7 +297,9 @@ def resume(t: Training) -> None:
     state = load_checkpoint(t.checkpoint_path)
     logger_id = None
     if state is not None:
+        check_same_run(state.get("config_identity"), t.cfg, t.run_dir)
         check_resume_compatible(state["plan"], t.plan)
+        verify_ledger(t.ledger, state, CHECKPOINT_FILE)
         t.model.load_state_dict(state["model"])
         t.optimizer.load_state_dict(state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
@@ -233,6 +309,11 @@ def resume(t: Training) -> None:
     saved = None
     if t.private:
         saved = restore_mechanism(t.randomness, t.sampler, t.release, t.mechanism_state_path, t.start_step, t.ledger, t.parallel)
+        if saved is not None and saved.get("data_fingerprint", t.data.train_source) != t.data.train_source:
+            raise UserError(
+                f"cannot resume {t.run_dir}: its training examples differ from the ones this run started on "
+                f"({MECHANISM_STATE_FILE} records another content hash); resume it on the data it began with"
+            )
     if t.oracle is not None and t.start_step > 0:
         restore_oracle(t.oracle, saved, t.start_step)
     if state is not None or (t.ledger is not None and t.ledger.releases):
@@ -241,9 +322,11 @@ def resume(t: Training) -> None:
     if t.parallel.is_main:
         moved = t.metrics.set_aside_after(t.start_step)
         if moved:
-            log(f"{moved} metrics row(s) past step {t.start_step} moved to {t.metrics.superseded_path.name} (superseded, not deleted)")
+            log(f"{moved} metrics line(s) (rows of steps past {t.start_step}, or damaged lines) moved to {t.metrics.superseded_path.name}, marked, not deleted")
         config = {**public_config(t.cfg), "plan": t.plan.as_dict()}
-        t.logger = build_logger(t.cfg.logger, t.run_dir, config, logger_id, t.run_dir.name, per_step=t.diagnostics)
+        if t.diagnostic_rows is not None:
+            t.diagnostic_rows.set_aside_after(t.start_step)
+        t.logger = build_logger(t.cfg.logger, t.run_dir, config, logger_id, t.run_dir.name, per_step=t.publish_diagnostics)
     else:
         t.logger = NullLogger()
     if t.private and t.start_step == 0 and t.parallel.is_main:  # a kill before the first checkpoint can still replay
@@ -251,10 +334,12 @@ def resume(t: Training) -> None:
 
 
 def save_mechanism(t: Training, step: int) -> None:
-    state = {"randomness": t.randomness.state_dict(), "sampler": t.sampler.state_dict()}
+    # The examples' content hash checks that a resume trains on the same data; it is owner-only
+    # here, since a hash of the private set is a membership oracle (training/data.py).
+    state = {"randomness": t.randomness.state_dict(), "sampler": t.sampler.state_dict(), "data_fingerprint": t.data.train_source}
     if t.oracle is not None:  # the noise-free mirrors are as secret as the noise
         state["oracle"] = t.oracle.state_dict()
-    save_mechanism_state(t.mechanism_state_path, step, state)
+    save_mechanism_state(t.mechanism_state_path, step, {**state, **ledger_record(t.ledger)})
 
 
 def restore_oracle(oracle: OracleAlignment, saved: dict | None, step: int) -> None:
@@ -279,24 +364,51 @@ def checkpoint(t: Training, step: int) -> None:
             "scheduler": t.scheduler.state_dict(),
             "rng": rng_snapshot(t.generators),
             "plan": t.plan.as_dict(),
-            **({"train_seconds": t.train_seconds} if t.diagnostics else {}),
+            "config_identity": config_identity(t.cfg),  # what a resume must configure alike (run_identity.py)
+            **({"train_seconds": t.train_seconds} if t.publish_diagnostics else {}),
             "logger_id": t.logger.run_id,
+            **ledger_record(t.ledger),
         },
     )
+
+
+def ledger_record(ledger: PrivacyLedger | None) -> dict[str, Any]:
+    """What a checkpoint or mechanism state records of the ledger: a resume checks it is still there."""
+    return {} if ledger is None else {"ledger_head": ledger.head, "ledger_length": ledger.length}
+
+
+def verify_ledger(ledger: PrivacyLedger | None, saved: dict[str, Any], saved_in: str) -> None:
+    """Refuse to continue unless the ledger still holds every line `saved_in` recorded, unchanged.
+
+    Without that, a resume would compose ε from whatever file is there: a deleted, truncated,
+    edited or swapped ledger would forget releases the run made.
+    """
+    if ledger is None:  # non-private, or a rank > 0 (rank 0 holds the ledger and checks it)
+        return
+    try:
+        ledger.verify(saved.get("ledger_head"), saved.get("ledger_length"), saved_in)
+    except LedgerIntegrityError as err:
+        raise UserError(f"cannot continue this run directory: {err}") from None
 
 
 # ---- training ----------------------------------------------------------------------------------
 
 
 def train(t: Training) -> str | None:
-    """Every remaining step; returns why training stopped early (the budget guard) or None."""
+    """Every remaining step; returns why training stopped early (the budget guard, a non-finite
+    validation NLL) or None."""
+    if t.start_step == 0 and t.validate and t.parallel.is_main and not any(r.get("step") == 0 for r in t.metrics.rows()):
+        # Where the curves start: the public initial weights, before any release.
+        t.logger.log(_finite({"step": 0, "val_nll": validation_nll(t)}), publish=True)
     t.model.train()
     with StopRequest() as stop:
         bar = tqdm(
             range(t.start_step + 1, t.plan.steps + 1), desc="train", disable=not (t.progress and t.parallel.is_main),
             initial=t.start_step, total=t.plan.steps,
-            # Without diagnostics the bar shows no rate or elapsed time: step time reveals the lot size.
-            bar_format=None if t.diagnostics else "{l_bar}{bar}| {n_fmt}/{total_fmt}",
+            # Unless diagnostics are published the bar shows no rate or elapsed time (step time tracks
+            # the lot), and redraws once per step rather than when enough time has passed.
+            bar_format=None if t.publish_diagnostics else "{l_bar}{bar}| {n_fmt}/{total_fmt}",
+            **({} if t.publish_diagnostics else {"mininterval": 0, "miniters": 1}),
         )
         for step in bar:
             if not within_budget(t.release.accountant, t.plan):
@@ -306,6 +418,11 @@ def train(t: Training) -> str | None:
                 checkpoint(t, t.last_step)
                 return reason
             row = train_step(t, step)
+            if row.get("val_nll") is not None and not math.isfinite(row["val_nll"]):
+                # Validation NLL is published in the row: stopping on it reveals nothing more.
+                reason = f"{NON_FINITE}: the validation NLL is {row['val_nll']} at step {step} (the model diverged; lower the learning rate)"
+                log(f"{reason}; stopping")
+                return reason
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("train_loss", "val_nll", "epsilon") if row.get(k) is not None})
             t.scheduler.step()  # after the row: it logs the rate this step used
             stopping = stop.requested(t.parallel)
@@ -315,7 +432,7 @@ def train(t: Training) -> str | None:
             if stopping:
                 t.logger.finish()
                 log(f"checkpointed at step {step}; resume with: python -m dpmuon.train resume={t.run_dir}")
-                raise SystemExit(128 + (stop.signum or signal.SIGTERM))
+                raise Interrupted(stop.signum or signal.SIGTERM, said=True)
         bar.close()
     return None
 
@@ -336,7 +453,11 @@ def train_step(t: Training, step: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     t.train_seconds += elapsed
     t.last_step = step
-    row = metrics_row(t, step, stats, oracle_fields, elapsed)
+    row, diagnostics = metrics_row(t, step, stats, oracle_fields, elapsed)
+    if t.publish_diagnostics:
+        row.update(diagnostics)
+    elif diagnostics and t.diagnostic_rows is not None:
+        t.diagnostic_rows.append(_finite({"step": step, **diagnostics}))
     evaluated = "val_nll" in row or step == t.plan.steps
     t.logger.log(_finite(row), publish=evaluated)
     return row
@@ -365,7 +486,10 @@ def lot_batches(t: Training, lot: list[int]):
     """This rank's share of the lot as device micro-batches."""
     size, pad_id = int(t.cfg.trainer.micro_batch_size), t.tokenizer.pad_token_id
     shard = t.parallel.shard(lot)
-    for batch in lot_micro_batches(t.data.train, shard, size, pad_id, fixed_width=t.fixed_width, fixed_rows=t.fixed_width is not None):
+    batches = lot_micro_batches(
+        t.data.train, shard, size, pad_id, fixed_width=t.fixed_width, fixed_rows=t.fixed_width is not None, pad_to=t.padded_rows
+    )
+    for batch in batches:
         yield {k: v.to(t.device) for k, v in batch.items()}
 
 
@@ -377,8 +501,9 @@ def loss_function(t: Training):
     return loss_fn
 
 
-def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: float) -> dict[str, Any]:
-    """The step's metrics row: public values always, the raw lot's only with diagnostics on."""
+def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step's metrics row (functions of the releases: public) and, with diagnostics on, the
+    raw lot's quantities (outside the guarantee; empty when off)."""
     row: dict[str, Any] = {"step": step, "lr": t.optimizer.param_groups[0]["lr"]}
     with_epsilon = step % max(1, int(t.cfg.logging.epsilon_every)) == 0 or step == t.plan.steps
     row.update(t.release.public_step_fields(with_epsilon))  # (a replayed, uncharged release is marked in the ledger)
@@ -387,12 +512,11 @@ def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: flo
     for key, values in (diagnose() if diagnose else {}).items():  # computed from the release: public
         row[key] = {names[p]: v for p, v in values.items()}
         row[f"{key}_median"] = statistics.median(values.values())
-    if t.diagnostics:
-        row.update(diagnostic_fields(stats, t.partition, t.private), **oracle_fields, step_seconds=elapsed)
+    diagnostics = {**diagnostic_fields(stats, t.partition, t.private), **oracle_fields, "step_seconds": elapsed} if t.diagnostics else {}
     eval_every = int(t.cfg.trainer.eval_every) if t.validate else 0
     if t.parallel.is_main and (bool(eval_every and step % eval_every == 0) or (t.validate and step == t.plan.steps)):
         row["val_nll"] = validation_nll(t)
-    return row
+    return row, diagnostics
 
 
 def validation_nll(t: Training) -> float:
@@ -436,9 +560,9 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         steps=t.last_step,
         planned_steps=plan.steps,
         releases_charged=t.release.accountant.steps,
-        stopped_by_budget_guard=stop_reason is not None,
+        release_slack=asdict(plan.slack) if plan.private else None,
+        stopped_by_budget_guard=stop_reason is not None and not stop_reason.startswith(NON_FINITE),
         stop_reason=stop_reason,
-        data_fingerprint=t.data.train_source,
         validation_split=validation_split(cfg) if t.validate else None,
         accountant=plan.accountant,
         **mechanism_fields(cfg, plan.private, t.randomness),
@@ -450,7 +574,9 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         val_nll=_last(t.metrics.rows(), "val_nll"),
         **{key: scores[key] for key in SCORE_KEYS},
         test_sources=len(t.data.test_items) if cfg.eval.test else 0,
-        train_seconds=t.train_seconds if t.diagnostics else None,
+        train_seconds=t.train_seconds if t.publish_diagnostics else None,
+        max_lot_size=t.plan.max_lot_size,
+        nonprivate_values_logged=nonprivate_values_logged(t),
         git_commit=version,
         command=command,
         run_dir=repo_relative(str(t.run_dir.resolve())),
@@ -477,13 +603,11 @@ def finish(t: Training, summary: dict[str, Any]) -> None:
         t.tokenizer.save_pretrained(t.run_dir / "model")
     atomic_write_json(t.run_dir / "summary.json", summary)
     t.logger.summary(summary)
-    figures = write_curves([Run(t.run_dir, summary)], t.run_dir / "curves")
+    figures = write_curves([Run(t.run_dir, summary)], t.run_dir / "curves", diagnostics=False)  # the run folder's are publishable
     t.logger.images({f"curves/{path.stem}": path for path in figures})
     t.logger.finish()
     if not t.cfg.trainer.keep_checkpoint:
         t.checkpoint_path.unlink(missing_ok=True)
-    if not t.cfg.privacy.get("keep_mechanism_state", False):
-        t.mechanism_state_path.unlink(missing_ok=True)  # the run is complete: nothing left to replay
     shown = {k: summary[k] for k in ("test_nll", "val_nll", "bleu", "rouge_l", "epsilon") if summary[k] is not None}
     log("done: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) + f" → {t.run_dir}")
 
@@ -509,7 +633,7 @@ def build_release(cfg: DictConfig, model, named: dict, matrices: dict, plan, noi
         sizes=sizes,
     )
     log(f"clipping: {cfg.privacy.clip_mode}, {partition_summary(partition, sizes)}")
-    accountant = PrivacyAccountant(plan.delta, plan.accountant)
+    accountant = PrivacyAccountant(plan.delta, plan.accountant, plan.slack)
     history = ledger.charged_history() if ledger is not None else []
     accountant.history = parallel.broadcast_object(history) if parallel.world_size > 1 else history
     privatizer = Privatizer(
@@ -524,6 +648,7 @@ def build_release(cfg: DictConfig, model, named: dict, matrices: dict, plan, noi
         engine=cfg.privacy.engine,
         parallel=parallel,
         ledger=ledger,
+        constant_time=plan.max_lot_size is not None,
     )
     return partition, privatizer
 
@@ -535,20 +660,45 @@ def open_ledger(cfg: DictConfig, run_dir: Path, plan, data, parallel: DataParall
     header = {
         "dataset": cfg.dataset.name,
         "dataset_size": plan.dataset_size,
-        "data_fingerprint": data.train_source,
         "delta": plan.delta,
         "accountant": plan.accountant,
+        "release_slack": asdict(plan.slack),  # what each release costs beyond the ideal: ε from the ledger alone
     }
+    path = run_dir / LEDGER_FILE
+    if has_saved_state(run_dir) and not (path.is_file() and path.stat().st_size):
+        raise UserError(missing_ledger(run_dir))  # never start a new ledger under a run that released
     try:
-        return PrivacyLedger(run_dir / LEDGER_FILE, header)
-    except LedgerMismatchError as err:
+        return PrivacyLedger(path, header)
+    except (LedgerMismatchError, LedgerIntegrityError) as err:
         raise UserError(f"cannot continue this run directory: {err}") from None
 
 
-def mechanism_randomness(cfg: DictConfig, device: torch.device, parallel: DataParallel) -> MechanismRandomness:
+def missing_ledger(run_dir: Path) -> str:
+    """Why a run with a checkpoint or mechanism state but no ledger is not continued."""
+    if (run_dir / CHECKPOINT_FILE).exists():
+        saved_in, lengths = CHECKPOINT_FILE, [(load_checkpoint(run_dir / CHECKPOINT_FILE) or {}).get("ledger_length")]
+    else:
+        saved_in = MECHANISM_STATE_FILE
+        lengths = [state.get("ledger_length") for state in saved_mechanism_states(run_dir / MECHANISM_STATE_FILE).values()]
+    recorded = max((n for n in lengths if isinstance(n, int)), default=None)
+    records = "exists" if recorded is None else f"records {recorded} lines"
+    return (
+        f"{LEDGER_FILE} is missing but {saved_in} {records}: the ledger was deleted; the run's ε cannot be recovered — "
+        f"its releases are lost to the accounting. Start a new run in a new directory (not {run_dir}), and count this "
+        "run's releases against its data by hand"
+    )
+
+
+def mechanism_randomness(cfg: DictConfig, parallel: DataParallel) -> MechanismRandomness:
     """Secret lot and noise generators; all ranks share rank 0's (they must draw the same lots)."""
-    seed = cfg.privacy.get("mechanism_seed")
-    randomness = MechanismRandomness(None if seed is None else int(seed), device, secure=bool(cfg.privacy.secure_noise))
+    secret = user_mechanism_secret(cfg)
+    if secret is not None and secret < STRONG_SEED:
+        log(WEAK_SEED_WARNING)
+    if secret is None and not cfg.optimizer.private:
+        # A non-private run's lots protect nothing: from the public seed, so that a public model
+        # (scripts/pretrain_public.py) rebuilds bit for bit in a fresh checkout.
+        secret = int.from_bytes(hashlib.sha256(f"dpmuon non-private lots {int(cfg.seed)}".encode()).digest(), "big")
+    randomness = MechanismRandomness(secret, secure=bool(cfg.privacy.secure_noise))
     share_rank0_randomness(randomness, parallel)
     return randomness
 
@@ -568,9 +718,17 @@ def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledge
     new, charged release.
     """
     saved = load_mechanism_state(path, step) if parallel.is_main else None
+    if saved is not None:
+        verify_ledger(ledger, saved, path.name)
     if parallel.world_size > 1:
         saved = parallel.broadcast_object(saved)
     if saved is not None:
+        if set(saved["sampler"]) != set(sampler.state_dict()):  # saved by the other lot sampler
+            kind = "shuffle" if isinstance(sampler, ShuffleLotSampler) else "poisson"
+            raise UserError(
+                f"cannot resume from {path}: its lot-sampler state was saved under another privacy.sampling than this "
+                f"config's {kind}; resume with the sampling the run started with"
+            )
         randomness.load_state_dict(saved["randomness"])
         sampler.load_state_dict(saved["sampler"])
         return saved
@@ -588,8 +746,8 @@ def build_oracle(cfg: DictConfig, muon, names: dict, release, parallel: DataPara
     """logging.oracle_alignment: the noise-free buffer beside the real one (non-private)."""
     if not cfg.logging.get("oracle_alignment", False):
         return None
-    if not cfg.logging.nonprivate_diagnostics:
-        raise UserError("logging.oracle_alignment=true needs logging.nonprivate_diagnostics=true: it is computed from the noise-free private signal")
+    if diagnostics_mode(cfg) == "false":
+        raise UserError("logging.oracle_alignment=true needs logging.nonprivate_diagnostics=file or publish: it is computed from the noise-free private signal")
     if muon is None or not cfg.optimizer.private:
         raise UserError(f"logging.oracle_alignment=true needs a private Muon-family optimizer; got optimizer={cfg.optimizer.name}")
     if parallel.world_size > 1:
@@ -599,10 +757,37 @@ def build_oracle(cfg: DictConfig, muon, names: dict, release, parallel: DataPara
     return oracle
 
 
+def diagnostics_mode(cfg: DictConfig) -> str:
+    """logging.nonprivate_diagnostics as "false", "file" or "publish" (true: publish, as it used to)."""
+    setting = cfg.logging.nonprivate_diagnostics
+    if setting is True or setting is False:
+        return "publish" if setting else "false"
+    return str(setting)
+
+
+def lot_limit(cfg: DictConfig, dataset_size: int) -> tuple[int | None, float]:
+    """privacy.constant_time: the rows every step processes (B_max; None: lots as drawn) and the
+    probability per step that a Poisson lot is truncated to them (charged by the accountant)."""
+    if not (cfg.optimizer.private and cfg.privacy.get("constant_time", False)):  # a run stored before the key: off
+        return None, 0.0
+    lot = int(cfg.privacy.expected_lot_size)
+    if cfg.privacy.sampling != "poisson":  # shuffled lots all have the expected size
+        return lot, 0.0
+    q, steps = plan_length(dataset_size, lot, cfg.trainer.epochs, cfg.trainer.steps)
+    return lot_bound(dataset_size, q, steps, float(cfg.privacy.target_epsilon), float(cfg.privacy.delta))
+
+
 def fixed_batch_shape(cfg: DictConfig, precision: str) -> bool:
-    """trainer.fixed_batch_shape: auto means on exactly when the forward runs in bf16."""
+    """trainer.fixed_batch_shape: auto means on exactly when the forward runs in bf16 (off there:
+    warned, and refused where privacy.secure_noise=true promises an exact mechanism)."""
     setting = cfg.trainer.get("fixed_batch_shape", "auto")
-    return precision == "bf16" if setting == "auto" else bool(setting)
+    fixed = precision == "bf16" if setting == "auto" else bool(setting)
+    if precision == "bf16" and not fixed:
+        inexact = "under bf16 the rest of the lot moves each clipped contribution by up to ~0.7% of C, so the sensitivity bound is not exact"
+        if cfg.privacy.get("secure_noise", False):
+            raise UserError(f"trainer.fixed_batch_shape=false: {inexact}; valid with privacy.secure_noise=true: auto or true")
+        log(f"warning: trainer.fixed_batch_shape=false: {inexact}")
+    return fixed
 
 
 def validation_split(cfg: DictConfig) -> str:
@@ -611,11 +796,8 @@ def validation_split(cfg: DictConfig) -> str:
 
 
 def public_config(cfg: DictConfig) -> dict:
-    """The resolved config as it may be published (W&B): without the mechanism seed's value."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    if config.get("privacy", {}).get("mechanism_seed") is not None:
-        config["privacy"]["mechanism_seed"] = REDACTED
-    return config
+    """The resolved config as it may be published (W&B): it holds no seed (see training/secret.py)."""
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def diagnostic_fields(stats, partition, private: bool) -> dict[str, Any]:
@@ -628,6 +810,17 @@ def diagnostic_fields(stats, partition, private: bool) -> dict[str, Any]:
             fields["clip_fraction"] = sum(fractions) / len(fractions)
             fields["clip_fraction_by_block"] = {b.name: f for b, f in zip(partition.blocks, fractions)}
     return fields
+
+
+def nonprivate_values_logged(t: Training) -> list[str]:
+    """The names of the values outside the guarantee that the run's published record holds: those
+    of `diagnostic_fields`, the step and train times, and the oracle's fields ("oracle_*")."""
+    if not t.publish_diagnostics:
+        return []
+    names = ["train_loss", "lot_size"]
+    if t.private:
+        names += ["mean_grad_norm", "nonfinite_examples", "clip_fraction", "clip_fraction_by_block"]
+    return names + ["step_seconds", "train_seconds"] + (["oracle_*"] if t.oracle is not None else [])
 
 
 def _finite(row: dict) -> dict:
@@ -644,5 +837,6 @@ def _finite(row: dict) -> dict:
 
 
 def _last(rows: list[dict], key: str):
-    values = [r[key] for r in rows if r.get(key) is not None]
+    """The last logged value of `key`: None when it was non-finite (logged as null), not an older one."""
+    values = [r[key] for r in rows if key in r]
     return values[-1] if values else None

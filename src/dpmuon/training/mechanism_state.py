@@ -11,14 +11,13 @@ and the checkpoint still finds the state that matches the checkpoint.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .checkpoint import CHECKPOINT_FILE
-from .run_files import atomic_write
+from .run_files import atomic_write, temp_files
 
 MECHANISM_STATE_FILE = "mechanism_state.pt"
 KEPT_STATES = 2
@@ -30,11 +29,7 @@ def save_mechanism_state(path: Path, step: int, state: dict[str, Any]) -> None:
     states[int(step)] = state
     states = {s: states[s] for s in sorted(states)[-KEPT_STATES:]}
 
-    def write(f) -> None:
-        os.fchmod(f.fileno(), 0o600)  # before any secret byte is written
-        torch.save(states, f)
-
-    atomic_write(path, write)
+    atomic_write(path, lambda f: torch.save(states, f), secret=True)  # 0600 before any secret byte is written
 
 
 def load_mechanism_state(path: Path, step: int) -> dict[str, Any] | None:
@@ -42,13 +37,31 @@ def load_mechanism_state(path: Path, step: int) -> dict[str, Any] | None:
     return _read(path).get(int(step))
 
 
+def saved_mechanism_states(path: Path) -> dict[int, dict[str, Any]]:
+    """Every state the file holds, by step (empty when there is no file)."""
+    return _read(path)
+
+
 def has_saved_state(run_dir: Path) -> bool:
     """Whether the run saved anything a resume continues from: its mechanism state or a checkpoint.
 
-    A run given `privacy.mechanism_seed` that has neither stopped during setup; its stored
-    config holds no seed (scrubbed), so only its original command can start it with that seed.
+    A run given a user mechanism seed that has neither stopped during setup: no file of the
+    run holds the seed, so a resume needs it given again (see training/secret.py).
     """
     return any((Path(run_dir) / name).exists() for name in (MECHANISM_STATE_FILE, CHECKPOINT_FILE))
+
+
+def remove_left_temp_files(run_dir: Path) -> None:
+    """Delete the mechanism-state temp files of writes killed midway: they hold generator states."""
+    for tmp in temp_files(Path(run_dir) / MECHANISM_STATE_FILE):
+        tmp.unlink(missing_ok=True)
+
+
+def discard_mechanism_state(run_dir: Path, keep: bool) -> None:
+    """Training is over: no step is left to replay, so the secret state goes (unless `keep`)."""
+    if not keep:
+        (Path(run_dir) / MECHANISM_STATE_FILE).unlink(missing_ok=True)
+    remove_left_temp_files(run_dir)
 
 
 def _read(path: Path) -> dict[int, dict[str, Any]]:

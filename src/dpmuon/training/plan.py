@@ -10,8 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from ..config.schema import ConfigError
 from ..errors import UserError
 from ..privacy import NullAccountant, PrivacyAccountant, calibrate_noise_multiplier, epsilon_after, plan_steps
+from ..privacy.accountant import ReleaseSlack
+from ..privacy.grid import release_slack
 
 # The largest target ε the PRV accountant is used for: it calibrated ε = 128 (lot 256, 100 steps
 # on E2E) without trouble, and was killed for memory at ε = 1024. RDP has no such limit.
@@ -30,6 +33,17 @@ class PrivacyPlan:
     delta: float | None
     accountant: str | None
     planned_epsilon: float | None
+    # Constant-time lots (privacy.constant_time): every step processes this many rows, and a
+    # Poisson lot above it is truncated — with this probability per step, charged in δ.
+    max_lot_size: int | None = None
+    truncation_probability: float = 0.0
+    # Coordinates of each release: what the float64 grid noise costs (privacy/grid.py).
+    released_coordinates: int = 0
+
+    @property
+    def slack(self) -> ReleaseSlack:
+        """What each release costs beyond the ideal subsampled Gaussian (ReleaseSlack)."""
+        return release_slack(self.released_coordinates) + ReleaseSlack(bad_event=self.truncation_probability)
 
     @property
     def delta_times_n(self) -> float | None:
@@ -52,21 +66,36 @@ def make_plan(
     delta: float,
     accountant: str,
     noise_multiplier: float | None,
+    max_lot_size: int | None = None,
+    truncation_probability: float = 0.0,
+    released_coordinates: int = 0,
 ) -> PrivacyPlan:
-    if dataset_size <= 0:
-        raise UserError("the training set is empty")
-    if not 0 < expected_lot_size <= dataset_size:
-        raise UserError(f"expected lot size {expected_lot_size} must be in [1, N={dataset_size}] (the training set size)")
-    q = expected_lot_size / dataset_size
-    if steps is None:
-        if epochs is None or epochs <= 0:
-            raise UserError(f"trainer.epochs must be > 0 (got {epochs}) unless trainer.steps is set")
-        steps = plan_steps(epochs, q)
-    if steps < 1:
-        raise UserError(f"trainer.steps must be >= 1, got {steps}")
+    q, steps = plan_length(dataset_size, expected_lot_size, epochs, steps)
     if not private:
         return PrivacyPlan(False, dataset_size, expected_lot_size, q, steps, 0.0, None, None, None, None)
+    check_private_inputs(dataset_size, target_epsilon, delta, accountant)
+    slack = release_slack(released_coordinates) + ReleaseSlack(bad_event=truncation_probability)
+    if noise_multiplier is None:
+        sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant, slack)
+    else:
+        sigma = float(noise_multiplier)
+        if sigma <= 0:
+            raise UserError(f"privacy.noise_multiplier must be > 0 for a private run, got {sigma}")
+    planned = epsilon_after(sigma, q, steps, delta, accountant, slack)
+    if not planned <= target_epsilon:  # also refuses a NaN ε
+        raise UserError(
+            f"this plan spends ε={planned:.4g} > target {target_epsilon:g} (over by {planned - target_epsilon:.3g}): "
+            f"σ={sigma:g}, q={q:.4g}, {steps} steps, δ={delta:g}. Raise the noise multiplier (or leave it null to "
+            "calibrate), or train fewer steps"
+        )
+    return PrivacyPlan(
+        True, dataset_size, expected_lot_size, q, steps, sigma, target_epsilon, delta, accountant, planned,
+        max_lot_size, truncation_probability, released_coordinates,
+    )  # fmt: skip
 
+
+def check_private_inputs(dataset_size: int, target_epsilon: float, delta: float, accountant: str) -> None:
+    """The checks of a private plan that need only N: before any model is built or downloaded."""
     if not target_epsilon > 0:
         raise UserError(f"privacy.target_epsilon must be > 0, got {target_epsilon}")
     if not 0 < delta < 1 / dataset_size:
@@ -80,25 +109,29 @@ def make_plan(
             f"(its privacy-loss grid grows with ε: at ε = 1024 Opacus' PRV ran out of 24 GB); use "
             f"privacy.accountant=rdp above ε = {PRV_MAX_EPSILON:g}"
         )
-    if noise_multiplier is None:
-        sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant)
-    else:
-        sigma = float(noise_multiplier)
-        if sigma <= 0:
-            raise UserError(f"privacy.noise_multiplier must be > 0 for a private run, got {sigma}")
-    planned = epsilon_after(sigma, q, steps, delta, accountant)
-    if not planned <= target_epsilon:  # also refuses a NaN ε
-        raise UserError(
-            f"this plan spends ε={planned:.4g} > target {target_epsilon:g} (over by {planned - target_epsilon:.3g}): "
-            f"σ={sigma:g}, q={q:.4g}, {steps} steps, δ={delta:g}. Raise the noise multiplier (or leave it null to "
-            "calibrate), or train fewer steps"
+
+
+def plan_length(dataset_size: int, expected_lot_size: int, epochs: float | None, steps: int | None) -> tuple[float, int]:
+    """(q, steps) of a plan: the sample rate, and the steps given or ⌈epochs/q⌉."""
+    if dataset_size <= 0:
+        raise UserError("the training set is empty")
+    if not 0 < expected_lot_size <= dataset_size:
+        raise ConfigError(
+            "privacy.expected_lot_size", expected_lot_size, f"not in [1, N={dataset_size}] (N: the training examples)", f"an integer in [1, {dataset_size}]"
         )
-    return PrivacyPlan(True, dataset_size, expected_lot_size, q, steps, sigma, target_epsilon, delta, accountant, planned)
+    q = expected_lot_size / dataset_size
+    if steps is None:
+        if epochs is None or epochs <= 0:
+            raise UserError(f"trainer.epochs must be > 0 (got {epochs}) unless trainer.steps is set")
+        steps = plan_steps(epochs, q)
+    if steps < 1:
+        raise UserError(f"trainer.steps must be >= 1, got {steps}")
+    return q, steps
 
 
 def check_resume_compatible(stored: dict, current: PrivacyPlan) -> None:
     """A resumed run must continue the same mechanism: same N, q, σ, δ, accountant."""
-    for key in ("private", "dataset_size", "sample_rate", "noise_multiplier", "delta", "accountant", "steps"):
+    for key in ("private", "dataset_size", "sample_rate", "noise_multiplier", "delta", "accountant", "steps", "max_lot_size"):
         old, new = stored.get(key), getattr(current, key)
         same = old == new or (isinstance(old, float) and isinstance(new, float) and math.isclose(old, new, rel_tol=1e-12))
         if not same:

@@ -7,6 +7,7 @@ checkpoint aside (to metrics.superseded.jsonl), so none is duplicated and none i
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
@@ -18,87 +19,131 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..durable import fsync_dir
+from ..jsontext import to_json
 from ..paths import REPO_ROOT
 
 
-def atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
-    """Write via a temp file in the same directory, fsync, then rename over `path`."""
+def atomic_write(path: Path, write: Callable[[io.BufferedWriter], None], secret: bool = False) -> None:
+    """Write via a temp file in the same directory, fsync, then rename over `path`.
+
+    The file gets the permissions a plain `open` would give (0666 less the umask): mkstemp's
+    0600 would hide a run's published record from the colleagues the umask shares it with.
+    `secret=True` keeps it owner-only, set before any byte is written.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o600 if secret else published_mode())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    finally:  # whatever was raised (KeyboardInterrupt too); after the rename there is nothing left
         Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
+
+
+def temp_files(path: Path) -> list[Path]:
+    """Temp files `atomic_write(path, …)` left behind by a process killed mid-write (kill -9)."""
+    path = Path(path)
+    return sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp"))
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    text = json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
+    text = to_json(obj, indent=2, sort_keys=True) + "\n"
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def published_mode() -> int:
+    """0666 less the process umask: what `open()` would create."""
+    try:  # Linux shows the umask; elsewhere it is only readable by setting it (briefly, process-wide)
+        with open("/proc/self/status", encoding="ascii") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
-def _json_default(value):
-    if hasattr(value, "item"):  # numpy / torch scalars
-        return value.item()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+# The time every file of a constant-time run carries once it ends: a fixed instant (the epoch),
+# since any time the run itself produced (its start, its end) would time its steps.
+FROZEN_TIME = 0
+
+
+def freeze_times(directory: Path) -> None:
+    """Set the access and modification times of `directory` and everything in it (symlinks
+    themselves, not their targets) to FROZEN_TIME."""
+    for root, dirs, files in os.walk(directory, topdown=False):  # a folder after its contents: listing one sets its access time
+        for name in dirs + files:
+            os.utime(os.path.join(root, name), (FROZEN_TIME, FROZEN_TIME), follow_symlinks=False)
+    os.utime(directory, (FROZEN_TIME, FROZEN_TIME))
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON object per line, appended and fsync'd row by row."""
+    """metrics.jsonl: one JSON object per line, appended and fsync'd row by row.
 
-    def __init__(self, path: Path):
+    `secret=True` (diagnostics.jsonl: values outside the guarantee) keeps the file and its
+    superseded rows owner-only, from their creation on.
+    """
+
+    def __init__(self, path: Path, secret: bool = False):
         self.path = Path(path)
+        self.secret = secret
         self.superseded_path = self.path.with_name(self.path.stem + ".superseded.jsonl")
 
     def append(self, row: dict) -> None:
-        line = json.dumps(row, sort_keys=True, default=_json_default) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
+        line = to_json(row, sort_keys=True) + "\n"
+        with self._open_append(self.path) as f:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
 
     def set_aside_after(self, step: int) -> int:
-        """Move rows logged after `step` (re-run on resume) to the superseded file; return how many.
+        """Move rows logged after `step` (re-run on resume) and damaged lines to the superseded
+        file; return how many rows and lines were moved.
 
-        They describe releases that happened, so they are kept, marked `superseded`; a torn
-        last line from a kill mid-write is dropped (it was never durable).
+        Re-run rows describe releases that happened, so they are kept, marked `superseded`. A
+        damaged line (not one JSON object) is kept there too, as text marked `damaged`, and the
+        valid rows after it stay; only a torn last line — a kill mid-write, never durable — is
+        dropped.
         """
         if not self.path.exists():
             return 0
-        kept, superseded = [], []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        text = self.path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        kept, moved = [], []
+        for number, line in enumerate(lines, 1):
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            (superseded if row.get("step", 0) > step else kept).append(row)
-        if superseded:
-            with open(self.superseded_path, "a", encoding="utf-8") as f:
-                f.write("".join(json.dumps({**row, "superseded": True}, sort_keys=True, default=_json_default) + "\n" for row in superseded))
+                if not isinstance(row, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError:
+                torn = number == len(lines) and not text.endswith("\n")
+                if not torn and line.strip():  # a torn last line is repaired, i.e. dropped
+                    moved.append({"damaged": True, "line": number, "text": line})
+                continue
+            if row.get("step", 0) > step:
+                moved.append({**row, "superseded": True})
+            else:
+                kept.append(row)
+        if moved:
+            with self._open_append(self.superseded_path) as f:
+                f.write("".join(to_json(row, sort_keys=True) + "\n" for row in moved))
                 f.flush()
                 os.fsync(f.fileno())
-        text = "".join(json.dumps(row, sort_keys=True, default=_json_default) + "\n" for row in kept)
-        atomic_write(self.path, lambda f: f.write(text.encode()))
-        return len(superseded)
+        rewritten = "".join(to_json(row, sort_keys=True) + "\n" for row in kept)
+        atomic_write(self.path, lambda f: f.write(rewritten.encode()), secret=self.secret)
+        return len(moved)
+
+    def _open_append(self, path: Path):
+        if not self.secret:
+            return open(path, "a", encoding="utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)  # also when the file existed with a wider mode
+        return os.fdopen(fd, "a", encoding="utf-8")
 
     def rows(self) -> list[dict]:
         if not self.path.exists():

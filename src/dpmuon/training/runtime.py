@@ -12,12 +12,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import UserError
+from ..outcomes import RUN_LOG, Interrupted
 from ..privacy.distributed import DataParallel
 
 
 def log(message: str) -> None:
+    """A [dpmuon] line on stderr (around any progress bar) and in the run's train.log."""
     if int(os.environ.get("RANK", "0")) == 0:  # one voice under torchrun
         tqdm.write(f"[dpmuon] {message}", file=sys.stderr)
+        RUN_LOG.info(message)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,7 +53,8 @@ def autocast_factory(precision: str, device: torch.device):
 
 
 class StopRequest:
-    """SIGINT/SIGTERM finish the current step, checkpoint and exit; a second signal aborts."""
+    """SIGINT/SIGTERM finish the current step, checkpoint and exit; a second signal aborts the
+    step (raises `Interrupted`: the driver says so and how to resume from the last checkpoint)."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -63,8 +67,7 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         if self.signum is not None:
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
+            raise Interrupted(signum)
         self.signum = signum
         log(f"received {signal.Signals(signum).name}: finishing this step, then checkpointing")
 

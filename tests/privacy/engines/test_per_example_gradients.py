@@ -9,6 +9,7 @@ from reference import naive_per_example_gradients
 
 from dpmuon.models import per_example_lm_loss
 from dpmuon.privacy import build_engine, build_partition
+from dpmuon.privacy.clipping import CLIP_MARGIN
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied-head", "untied-head"])
@@ -55,7 +56,7 @@ def test_clipped_sum_equals_clipped_naive_gradients():
     summed, _, stats = engine.clipped_sum(batch, per_example_lm_loss)
     for block in partition.blocks:
         norms = torch.stack([naive[n].flatten(1).pow(2).sum(1) for n in block.params]).sum(0).sqrt()
-        factor = (block.threshold / norms).clamp(max=1.0)
+        factor = (block.threshold * CLIP_MARGIN / norms).clamp(max=1.0)
         for n in block.params:
             expected = torch.einsum("b,b...->...", factor, naive[n])
             assert torch.allclose(summed[n], expected, atol=1e-6, rtol=1e-4), n

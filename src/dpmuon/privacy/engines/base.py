@@ -46,9 +46,11 @@ def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 class PerExampleEngine(ABC):
-    def __init__(self, model: nn.Module, partition: BlockPartition):
+    def __init__(self, model: nn.Module, partition: BlockPartition, constant_time: bool = False):
         self.model = model
         self.partition = partition
+        # Constant-time lots: the work may not depend on which rows are real and which are padding.
+        self.constant_time = constant_time
         named = dict(model.named_parameters())
         unknown = [n for n in partition.param_names if n not in named]
         if unknown:
@@ -80,7 +82,7 @@ def register_engine(name: str):
     return decorator
 
 
-def build_engine(name: str, model: nn.Module, partition: BlockPartition) -> PerExampleEngine:
+def build_engine(name: str, model: nn.Module, partition: BlockPartition, constant_time: bool = False) -> PerExampleEngine:
     if name not in ENGINES:
         raise ValueError(f"unknown per-example gradient engine {name!r}; valid: {', '.join(sorted(ENGINES))}")
-    return ENGINES[name](model, partition)
+    return ENGINES[name](model, partition, constant_time=constant_time)

@@ -18,8 +18,8 @@ from .base import PerExampleEngine, example_rows, full_precision, register_engin
 
 @register_engine("opacus")
 class OpacusEngine(PerExampleEngine):
-    def __init__(self, model, partition):
-        super().__init__(model, partition)
+    def __init__(self, model, partition, constant_time: bool = False):
+        super().__init__(model, partition, constant_time)  # it forms every row's gradient: constant work already
         outside = [n for n, p in model.named_parameters() if p.requires_grad and n not in self.params]
         if outside:
             raise ValueError(f"trainable parameters outside the block partition: {outside[:5]}")

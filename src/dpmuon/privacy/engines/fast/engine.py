@@ -58,10 +58,12 @@ class FastEngine(PerExampleEngine):
 
     weight_norms: "mixed" (default: per layer, whichever of ghost and direct is cheaper for
     the micro-batch's sequence length), "ghost" or "direct" (forced, e.g. for testing).
+    constant_time: keep every position in the kernels (`Trace.keep_all`), so that padding rows
+    cost what real rows cost.
     """
 
-    def __init__(self, model: nn.Module, partition: BlockPartition, weight_norms: WeightNormRule = "mixed"):
-        super().__init__(model, partition)
+    def __init__(self, model: nn.Module, partition: BlockPartition, weight_norms: WeightNormRule = "mixed", constant_time: bool = False):
+        super().__init__(model, partition, constant_time)
         if weight_norms not in WEIGHT_NORM_RULES:
             raise ValueError(f"unknown weight norm rule {weight_norms!r}; valid: {', '.join(WEIGHT_NORM_RULES)}")
         owners, module_names = self._trainable_owners(model)
@@ -168,6 +170,7 @@ class FastEngine(PerExampleEngine):
                         "batch-shaped position_ids)"
                     )
             traces[module] = self.layers[module].trace(inputs, outs)
+            traces[module].keep_all = self.constant_time
         return traces
 
     # -- norms and sums ---------------------------------------------------------------------

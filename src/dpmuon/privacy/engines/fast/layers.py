@@ -38,23 +38,26 @@ class Trace:
 
     inputs: torch.Tensor  # layer inputs (token ids for an embedding), detached
     grads: torch.Tensor  # gradient of Σ_i loss_i w.r.t. the layer's outputs
+    # Constant-time lots: every position counts as active, so padding rows cost what real rows do.
+    keep_all: bool = False
     _active: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def active(self) -> torch.Tensor:
         """[B, positions] bool: where the output gradient is nonzero (computed once).
 
         The other positions — padding, and at the LM head every prompt token without a label —
-        add nothing to any per-example gradient, so the kernels may skip them exactly.
+        add nothing to any per-example gradient, so the kernels may skip them exactly (except
+        under `keep_all`, where skipping them would make the step's time depend on the lot).
         """
         if self._active is None:
-            self._active = self.grads.ne(0).any(dim=-1)
+            self._active = self.grads.new_ones(self.grads.shape[:-1], dtype=torch.bool) if self.keep_all else self.grads.ne(0).any(dim=-1)
         return self._active
 
     def without(self, dropped: torch.Tensor) -> Trace:
         """The trace with the dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN)."""
         rows = dropped.view(-1, *([1] * (self.grads.dim() - 1)))
         inputs = self.inputs.masked_fill(rows, 0) if self.inputs.is_floating_point() else self.inputs
-        return Trace(inputs, self.grads.masked_fill(rows, 0))
+        return Trace(inputs, self.grads.masked_fill(rows, 0), keep_all=self.keep_all)
 
 
 class Layer(ABC):
