@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from .bound import guess_counts
 from .canaries import AuditResult, AuditSetup
 
 
 def describe(setup: AuditSetup) -> str:
     counts = guess_counts(setup.canaries, setup.guess_fractions)
-    model = f"{setup.blocks} Dirac table(s)" if setup.model == "dirac" else "tiny GPT-2 (a block per tensor)"
+    model = {
+        "dirac": f"{setup.blocks} Dirac table(s)",
+        "blocks": "Dirac coordinates in every block type (embedding, hidden Linear, LayerNorm weight and bias, RMSNorm weight, untied head)",
+        "gpt2": "tiny GPT-2 (a block per tensor)",
+    }[setup.model]
     guesses = (
         f"guess counts {counts}, each tested at level β/{len(counts)} (Bonferroni)"
         if len(counts) > 1
@@ -22,26 +29,42 @@ def describe(setup: AuditSetup) -> str:
     )
 
 
-TABLE_HEADER = ("scenario", "seed", "mechanism", "engine", "claimed ε", "σ", "ε lower bound", "correct/guesses", "ceiling", "verdict", "seconds")
+TABLE_HEADER = (
+    "scenario", "seed", "mechanism", "engine", "claimed ε", "true ε", "σ", "ε lb (ε,δ)", "correct/guesses", "ceiling",
+    "μ̂ (GDP lb)", "ε of μ̂", "μ claim", "claim p", "verdict", "noise std ratio (p)", "lot-rate p", "seconds",
+)
 
 
-def table_rows(results: list[AuditResult]) -> list[tuple[str, ...]]:
-    return [
-        (
-            r.scenario,
-            str(r.seed),
-            r.mechanism,
-            r.engine,
-            f"{r.claimed_epsilon:.3f}",
-            f"{r.noise_multiplier:.3f}",
-            f"{r.bound.epsilon:.3f}",
-            f"{r.bound.correct}/{r.bound.guesses}",
-            f"{r.ceiling:.2f}",
-            r.verdict,
-            f"{r.seconds:.0f}",
+def table_rows(results: list[AuditResult] | list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """One row per audit, from AuditResults or from their `to_dict()` (a saved audit.json):
+    the same text either way, so a committed table regenerates from its committed JSON."""
+    rows = []
+    for result in results:
+        r = result.to_dict() if isinstance(result, AuditResult) else result
+        bound, fdp = r["bound"], r["fdp"]
+        rows.append(
+            (
+                r["scenario"],
+                str(r["seed"]),
+                r["mechanism"],
+                r["engine"],
+                f"{r['claimed_epsilon']:.3f}",
+                "∞" if r["true_epsilon"] is None or math.isinf(r["true_epsilon"]) else f"{r['true_epsilon']:.2f}",
+                f"{r['noise_multiplier']:.3f}",
+                f"{bound['epsilon']:.3f}",
+                f"{bound['correct']}/{bound['guesses']}",
+                f"{r['ceiling']:.2f}",
+                f"{fdp['mu']:.3f}",
+                f"{fdp['epsilon']:.2f}",
+                f"{fdp['mu_claim']:.3f}",
+                f"{fdp['claim_p_value']:.2g}",
+                r["verdict"],
+                f"{r['noise_std_ratio']:.4f} ({r['noise_p_value']:.2g})" + (" FLAGGED" if r["noise_flagged"] else ""),
+                f"{r['lot_rate_p_value']:.2g}" + (" FLAGGED" if r["sampler_flagged"] else ""),
+                f"{r['seconds']:.0f}",
+            )
         )
-        for r in results
-    ]
+    return rows
 
 
 def format_table(rows: list[tuple[str, ...]]) -> str:
