@@ -35,3 +35,14 @@ def test_committed_regime_tables_regenerate_exactly_from_committed_runs(tmp_path
     write_report(BC_REGIME, tmp_path)
     for name in ("regime.md", "regime.csv"):
         assert (tmp_path / name).read_text() == (BC_REGIME / name).read_text(), f"{BC_REGIME / name} differs from a fresh report"
+
+
+FAIR = BC_REGIME / "fair"
+
+
+@pytest.mark.skipif(not (FAIR / "fair.md").exists(), reason="no committed results/bc_regime/fair/ table yet")
+def test_committed_fair_comparison_regenerates_exactly_from_committed_runs(tmp_path: Path):
+    from dpmuon.experiments.bc_fair_report import write_report
+
+    write_report(FAIR, tmp_path)
+    assert (tmp_path / "fair.md").read_text() == (FAIR / "fair.md").read_text(), f"{FAIR / 'fair.md'} differs from a fresh report"

@@ -7,11 +7,12 @@ import math
 
 import pytest
 import torch
-from helpers_train import compose_config, require_real_data
+from helpers_train import compose_config, require_real_data, seed_file_override
 
 from dpmuon.diagnostics import OracleAlignment
 from dpmuon.diagnostics.oracle import frobenius_cosine
 from dpmuon.errors import UserError
+from dpmuon.eval.runs import read_run_rows
 from dpmuon.optim import Muon
 from dpmuon.training.loop import run
 
@@ -19,7 +20,7 @@ TINY = [
     "experiment=smoke", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",
     "data.max_train_examples=200", "data.max_valid_examples=4", "data.max_test_sources=1", "privacy.expected_lot_size=16",
     "privacy.noise_multiplier=1.0", "trainer.steps=4", "trainer.micro_batch_size=16", "eval.test=false",
-    "logging.progress=false", "logger=none", "trainer.num_threads=1", "privacy.mechanism_seed=4",
+    "logging.progress=false", "logger=none", "trainer.num_threads=1", seed_file_override(4 << 100),
 ]  # fmt: skip
 
 
@@ -53,6 +54,19 @@ def test_alignment_falls_with_the_noise():
     assert quiet["oracle_cos_plain_median"] > 0.99 > loud["oracle_cos_plain_median"]
     assert math.isfinite(loud["oracle_cos_bc_median"])
     assert frobenius_cosine(signal, -signal) == pytest.approx(-1.0)
+
+
+def test_probe_averaged_corrected_map_and_signals_see_what_one_draw_cannot():
+    """At SNR ~1 the single-draw cosine carries the probes' variance; averaging 16 pairs removes
+    most of it, so the averaged map points closer to F(M₀) than one draw does, and the signals
+    are projections: F(M₀)'s own would be exactly 1."""
+    g = torch.Generator().manual_seed(2)
+    signal = torch.randn(24, 16, generator=g)
+    fields = oracle_step(1.0 * torch.randn(24, 16, generator=g), signal, std=1.0, steps=2)
+    assert fields["oracle_cos_bc_mean"]["w"] > fields["oracle_cos_bc"]["w"]
+    assert 0 < fields["oracle_signal_plain"]["w"] < 1 and 0 < fields["oracle_signal_bc"]["w"]
+    clean = oracle_step(torch.zeros(24, 16), signal, std=1e-9, steps=2)
+    assert clean["oracle_signal_plain"]["w"] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_a_resumed_oracle_continues_its_mirrors_exactly():
@@ -91,8 +105,11 @@ def test_oracle_rows_are_logged_and_training_is_unchanged(tmp_path):
     plain = run(compose_config(*TINY, "optimizer=dp_muonbc"), tmp_path / "off")
     traced = run(compose_config(*TINY, "optimizer=dp_muonbc", "logging.oracle_alignment=true"), tmp_path / "on")
     assert traced["final_weights_sha256"] == plain["final_weights_sha256"]  # M₀ never reaches the optimizer
-    rows = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    published = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("oracle") for row in published for key in row)  # by default: the owner-only file
+    rows = [r for r in read_run_rows(tmp_path / "on", diagnostics=True) if r["step"] > 0]  # (step 0: the initial weights' validation NLL)
     assert all(len(r["oracle_snr"]) == 4 and -1 <= r["oracle_cos_bc_median"] <= 1 for r in rows)
+    assert all(-1 <= r["oracle_cos_bc_mean_median"] <= 1 and "oracle_signal_bc_median" in r for r in rows)
 
 
 def test_oracle_needs_diagnostics_and_a_muon_optimizer(tmp_path):

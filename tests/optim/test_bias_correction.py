@@ -24,14 +24,14 @@ def signal(m: int, n: int, seed: int) -> torch.Tensor:
     return (U[:, :k] * torch.linspace(1.0, 2.0, k, dtype=torch.float64)) @ V[:k, :]
 
 
-def biases(M0: torch.Tensor, s: float, samples: int, seed: int) -> tuple[float, float]:
+def biases(M0: torch.Tensor, s: float, samples: int, seed: int, ns: dict = NS) -> tuple[float, float]:
     """(‖E F(M₀+S) − F(M₀)‖, ‖E F_BC(M₀+S) − F(M₀)‖) by antithetic Monte Carlo."""
     g = torch.Generator().manual_seed(seed)
     S = s * torch.randn(samples, *M0.shape, dtype=M0.dtype, generator=g)
     noisy = torch.cat([M0 + S, M0 - S])
-    target = newton_schulz(M0, **NS)
-    plain = newton_schulz(noisy, **NS).mean(0)
-    corrected = bias_corrected_newton_schulz(noisy, s, generator=torch.Generator().manual_seed(seed + 1), **NS).mean(0)
+    target = newton_schulz(M0, **ns)
+    plain = newton_schulz(noisy, **ns).mean(0)
+    corrected = bias_corrected_newton_schulz(noisy, s, generator=torch.Generator().manual_seed(seed + 1), **ns).mean(0)
     return float((plain - target).norm()), float((corrected - target).norm())
 
 
@@ -49,6 +49,14 @@ def test_corrected_bias_is_much_smaller_and_shrinks_like_s4(shape):
     assert bc_hi / bc_lo > 8.0
 
 
+def test_correction_works_with_the_classical_series_and_max1_prescaling():
+    """The variant of a third-party reading of the paper: series:2 run to convergence on a matrix
+    that max(1, ‖M‖_F) leaves unscaled (‖M₀‖_F ≈ 0.3)."""
+    ns = dict(steps=14, coefficients="series:2", normalize="max1")
+    plain, corrected = biases(0.1 * signal(4, 8, seed=3), 0.02, 20_000, seed=4, ns=ns)
+    assert plain / corrected >= 3
+
+
 def test_probe_scale_and_count_are_honoured():
     M0 = signal(4, 8, seed=0)
     g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
@@ -64,3 +72,18 @@ def test_probe_scale_and_count_are_honoured():
     assert torch.allclose(bias_corrected_newton_schulz(M0, 0.1, probe_scale=2.0, generator=g(), **NS), F - 0.25 * (A2 - F), atol=1e-12)
     assert torch.equal(bias_corrected_newton_schulz(M0, 0.1, num_probes=0, **NS), F)
     assert torch.equal(bias_corrected_newton_schulz(M0, 0.0, **NS), F)
+
+
+def test_match_norm_keeps_the_correction_direction_at_the_plain_length():
+    """At low SNR F_BC is longer than F; match_norm rescales it to ‖F(M)‖_F per matrix, and only that."""
+    g = torch.Generator().manual_seed(3)
+    M = signal(6, 10, seed=4) * 0.05 + torch.randn(3, 6, 10, dtype=torch.float64, generator=g)  # SNR ≪ 1
+    s = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64).view(-1, 1, 1)
+    longer = bias_corrected_newton_schulz(M, s, generator=torch.Generator().manual_seed(5), **NS)
+    matched = bias_corrected_newton_schulz(M, s, generator=torch.Generator().manual_seed(5), match_norm=True, **NS)
+    plain = newton_schulz(M, **NS)
+    norm = torch.linalg.matrix_norm
+    assert torch.all(norm(longer) > 1.2 * norm(plain))  # the step-length confound
+    assert torch.allclose(norm(matched), norm(plain))
+    cosine = (matched * longer).sum((-2, -1)) / (norm(matched) * norm(longer))
+    assert torch.allclose(cosine, torch.ones(3, dtype=torch.float64))

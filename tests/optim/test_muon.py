@@ -146,3 +146,28 @@ def test_diagnostics_report_the_snr_only_of_noisy_releases():
 def test_rejects_non_matrices():
     with pytest.raises(ValueError, match="matrices"):
         Muon([torch.nn.Parameter(torch.zeros(5))])
+
+
+def test_dp_muonbc_reports_its_step_length_ratio_and_match_norm_makes_it_one():
+    for match_norm, expect_longer in ((False, True), (True, False)):
+        p = torch.nn.Parameter(torch.zeros(16, 24))
+        opt = Muon([p], lr=0.1, bias_correction=True, match_norm=match_norm, release_noise_std={p: 1.0}, generator=torch.Generator().manual_seed(0))
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1))  # pure noise: SNR ≈ 0
+        opt.step()
+        (ratio,) = opt.diagnostics()["update_norm_ratio"].values()
+        assert (ratio > 1.1) if expect_longer else ratio == pytest.approx(1.0, abs=1e-5)
+
+
+def test_bias_correction_noise_std_step_uses_one_releases_std():
+    """noise_std=step corrects with the per-step std, weaker than the buffer's after a few steps."""
+    updates = {}
+    for mode in ("buffer", "step"):
+        p = torch.nn.Parameter(torch.zeros(12, 12))
+        opt = Muon([p], lr=0.1, bias_correction=True, noise_std=mode, release_noise_std={p: 0.5}, generator=torch.Generator().manual_seed(0))
+        for step in range(4):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        updates[mode] = opt.diagnostics()["update_norm_ratio"][p]
+    assert updates["step"] < updates["buffer"]
+    with pytest.raises(ValueError, match="buffer, step"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4))], bias_correction=True, noise_std="per_step")

@@ -5,7 +5,11 @@ Next to each Muon matrix's real momentum buffer M (fed with the released gradien
 tracks the noise-free buffer M₀ — the same recursion fed with the clipped sum / B before noise
 — and logs per matrix: the true SNR ‖M₀‖²/(s²mn) (s: the public per-entry noise std of the
 update), and the Frobenius cosines cos⟨F(M), F(M₀)⟩ and cos⟨F_BC(M), F(M₀)⟩ for the plain and
-the bias-corrected orthogonalization, whichever of them the optimizer steps with.
+the bias-corrected orthogonalization, whichever of them the optimizer steps with. A single
+draw's cosine mixes the correction's bias with its probes' variance, so beside it:
+`oracle_cos_bc_mean`, the cosine of the map averaged over PROBE_PAIRS fresh probe pairs, and the
+signals ⟨F_x, F(M₀)⟩/‖F(M₀)‖² of F(M) and of that average (how much of the noise-free direction
+each step carries, whatever its length).
 
 M₀ is a function of the private data without noise: these numbers are not covered by the
 guarantee (logging.oracle_alignment, only with non-private diagnostics on). Nothing here
@@ -23,9 +27,11 @@ from collections.abc import Mapping
 
 import torch
 
-from ..optim.bias_correction import bias_corrected_newton_schulz
+from ..optim.bias_correction import corrected_and_plain
 from ..optim.momentum import MomentumRule, advance
 from ..optim.newton_schulz import newton_schulz
+
+PROBE_PAIRS = 16  # of the probe-averaged corrected map
 
 
 def frobenius_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,7 +64,7 @@ class OracleAlignment:
         """Advance both buffers of every matrix (p.grad holds the release) and return the metrics
         row fields."""
         noise_free, self._noise_free = self._noise_free, {}
-        snr, plain, corrected = {}, {}, {}
+        snr, plain, corrected, corrected_mean, signal_plain, signal_bc = {}, {}, {}, {}, {}, {}
         for group in self.groups:
             rule = MomentumRule.create(group["momentum"], group["momentum_kind"], group["nesterov"])
             ns = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"], normalize=group["ns_normalize"])
@@ -69,11 +75,14 @@ class OracleAlignment:
                 update, update_clean, std = self._advance(p, noise_free[name], rule)
                 target = newton_schulz(update_clean, **ns)
                 snr[name] = float(update_clean.pow(2).sum()) / (std**2 * update_clean.numel()) if std > 0 else math.inf
-                plain[name] = frobenius_cosine(newton_schulz(update, **ns), target)
-                bc = bias_corrected_newton_schulz(
-                    update, std, probe_scale=group["probe_scale"], num_probes=max(1, group["num_probes"]), generator=self.generator, **ns
-                )
+                bc_std = self.release_std[name] if group.get("noise_std") == "step" else std
+                correction = dict(probe_scale=group["probe_scale"], generator=self.generator, match_norm=group.get("match_norm", False), **ns)
+                bc, f = corrected_and_plain(update, bc_std, num_probes=max(1, group["num_probes"]), **correction)
+                bc_mean, _ = corrected_and_plain(update, bc_std, num_probes=PROBE_PAIRS, **correction)
+                plain[name] = frobenius_cosine(f, target)
                 corrected[name] = frobenius_cosine(bc, target)
+                corrected_mean[name] = frobenius_cosine(bc_mean, target)
+                signal_plain[name], signal_bc[name] = (float((x * target).sum() / target.pow(2).sum()) for x in (f, bc_mean))
         if not snr:
             return {}
         return {
@@ -83,6 +92,12 @@ class OracleAlignment:
             "oracle_cos_plain_median": statistics.median(plain.values()),
             "oracle_cos_bc": corrected,
             "oracle_cos_bc_median": statistics.median(corrected.values()),
+            "oracle_cos_bc_mean": corrected_mean,
+            "oracle_cos_bc_mean_median": statistics.median(corrected_mean.values()),
+            "oracle_signal_plain": signal_plain,
+            "oracle_signal_plain_median": statistics.median(signal_plain.values()),
+            "oracle_signal_bc": signal_bc,
+            "oracle_signal_bc_median": statistics.median(signal_bc.values()),
         }
 
     def state_dict(self) -> dict:

@@ -13,11 +13,14 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .bias_correction import bias_corrected_newton_schulz
+from .bias_correction import corrected_and_plain
 from .momentum import MomentumRule, advance
 from .newton_schulz import newton_schulz
 
 UPDATE_SCALES = ("adam_rms", "reference", "none")
+# DP-MuonBC's s: the noise std of the matrix Newton–Schulz sees (the momentum buffer's), or of
+# one step's released gradient — a reading of the paper that corrects far less (β = 0.95: ~10×).
+BC_NOISE_STDS = ("buffer", "step")
 LAYOUTS = ("out_in", "in_out")
 
 
@@ -76,6 +79,8 @@ class Muon(torch.optim.Optimizer):
         probe_scale: float = 1.0,
         num_probes: int = 1,
         min_snr: float | None = None,
+        match_norm: bool = False,
+        noise_std: str = "buffer",
         release_noise_std: Mapping[torch.Tensor, float] | None = None,
         layouts: Mapping[torch.Tensor, str] | None = None,
         generator: torch.Generator | None = None,
@@ -83,6 +88,8 @@ class Muon(torch.optim.Optimizer):
         if lr < 0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
         MomentumRule.create(momentum, momentum_kind, nesterov)  # validates early
+        if noise_std not in BC_NOISE_STDS:
+            raise ValueError(f"unknown bias-correction noise std {noise_std!r}; valid: {', '.join(BC_NOISE_STDS)}")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -97,6 +104,8 @@ class Muon(torch.optim.Optimizer):
             probe_scale=probe_scale,
             num_probes=num_probes,
             min_snr=min_snr,
+            match_norm=match_norm,
+            noise_std=noise_std,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -112,12 +121,15 @@ class Muon(torch.optim.Optimizer):
         self.generator = generator
         # Last step's SNR estimate of the matrix fed to Newton–Schulz, per parameter.
         self.snr: dict[torch.Tensor, float] = {}
+        # Last step's ‖F_BC(M)‖_F / ‖F(M)‖_F of each corrected matrix: how much longer the step is.
+        self.norm_ratio: dict[torch.Tensor, float] = {}
 
     def diagnostics(self) -> dict[str, dict[torch.Tensor, float]]:
         """Per-parameter quantities of the last step, computed from the release only (public)."""
         # Without release noise (a non-private run) the SNR is infinite: nothing to report.
         snr = {p: v for p, v in self.snr.items() if math.isfinite(v)}
-        return {"snr": snr} if snr else {}
+        found = {"snr": snr, "update_norm_ratio": dict(self.norm_ratio)}
+        return {key: values for key, values in found.items() if values}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -138,6 +150,8 @@ class Muon(torch.optim.Optimizer):
                 continue
             update, noise_std = self._momentum_update(p, p.grad, rule)
             snr = estimate_snr(update, noise_std)
+            if group["noise_std"] == "step":
+                noise_std = self._release_std[p]
             self.snr[p] = snr
             correct = (
                 group["bias_correction"]
@@ -152,18 +166,22 @@ class Muon(torch.optim.Optimizer):
             normalize=group["ns_normalize"],
             dtype=self.ns_dtype,
         )
+        self.norm_ratio = {}
         for (_, correct), items in pending.items():
             matrices = torch.stack([u for _, u, _ in items])
             if correct:
                 stds = torch.tensor([s for _, _, s in items], dtype=matrices.dtype, device=matrices.device)
-                ortho = bias_corrected_newton_schulz(
+                ortho, plain = corrected_and_plain(
                     matrices,
                     stds.view(-1, 1, 1),
                     probe_scale=group["probe_scale"],
                     num_probes=group["num_probes"],
                     generator=self.generator,
+                    match_norm=group["match_norm"],
                     **ns_kwargs,
                 )
+                ratios = torch.linalg.matrix_norm(ortho) / torch.linalg.matrix_norm(plain)
+                self.norm_ratio.update({p: float(r) for (p, _, _), r in zip(items, ratios)})
             else:
                 ortho = newton_schulz(matrices, **ns_kwargs)
             for (p, _, _), o in zip(items, ortho):

@@ -98,6 +98,8 @@ def _build_muon(inputs: OptimizerInputs, cfg: Mapping, bias_correction: bool) ->
             probe_scale=float(bc["probe_scale"]),
             num_probes=int(bc["num_probes"]),
             min_snr=None if bc["min_snr"] is None else float(bc["min_snr"]),
+            match_norm=bool(bc.get("match_norm", False)),
+            noise_std=str(bc.get("noise_std", "buffer")),
         )
     muon = Muon(
         list(matrices.values()),

@@ -1,0 +1,143 @@
+"""DP-MuonBC compared fairly: each optimizer at its own best rate, the method's variants, and a
+horizon long enough for late gains (results/bc_regime/fair/, issue 25).
+
+    python -m dpmuon.experiments.bc_fair run [--jobs 2]   # every stage whose inputs exist (resumable)
+    python -m dpmuon.experiments.bc_fair list             # the runs the next `run` would do
+
+The setting of the regime map (experiment=pretrained_tiny_e2e: the public tiny model, lot 256,
+ε = 8, 100 steps), in stages that each need the previous one's published results:
+
+1. tune: DP-Muon, DP-MuonBC, and DP-MuonBC with `match_norm` (its steps as long as DP-Muon's)
+   on a √2-spaced grid of RATES at the final horizon, SEEDS_TUNE seeds per point; a best rate on
+   the grid's edge extends the grid by one rate past it.
+2. finals: each at its best rate (lowest mean validation NLL), seeds 0–2, oracle diagnostics on.
+3. variants: at the best rates, DP-MuonBC against DP-Muon under the same variant
+   (classical Newton–Schulz with Frobenius and max(1, ‖M‖_F) scaling, Nesterov), and
+   DP-MuonBC with s = one step's noise std, seeds 0–2.
+4. horizon: the best DP-Muon and DP-MuonBC for HORIZON_EPOCHS epochs (σ recalibrated for ε = 8
+   over that plan), seeds 0–2.
+
+Runs of one seed index share one secret mechanism seed (the same lots and noise for every
+optimizer: a paired comparison), drawn once from OS entropy and kept, mode 0600, in the working
+directory. Such runs are a measurement, not private releases of E2E: see bc_regime.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from ..eval.runs import SUMMARY_FILE, read_summary
+from .bc_regime import MechanismSeeds, publish_public_model
+from .jobs import REPO, Job, run_jobs
+
+RATES = tuple(0.005 * 2 ** (k / 2) for k in range(5))  # 0.005 … 0.02: √2 apart around the committed 0.01
+SEEDS_TUNE = (0, 1)
+SEEDS = (0, 1, 2)
+HORIZON_EPOCHS = 3  # ≈ 493 steps at lot 256 on E2E's 42,061 examples
+# name → the optimizer's overrides; the tuned contenders
+CONTENDERS = {
+    "dp_muon": ("optimizer=dp_muon",),
+    "dp_muonbc": ("optimizer=dp_muonbc",),
+    "dp_muonbc_matched": ("optimizer=dp_muonbc", "optimizer.bias_correction.match_norm=true"),
+}
+# name → overrides applied to both DP-Muon and DP-MuonBC (paired under the same variant)
+VARIANTS = {
+    "series2": ("optimizer.ns_coefficients=series:2", "optimizer.ns_steps=10"),
+    "series2_max1": ("optimizer.ns_coefficients=series:2", "optimizer.ns_steps=10", "optimizer.ns_normalize=max1"),
+    "nesterov": ("optimizer.nesterov=true",),
+}
+STEP_STD = ("optimizer.bias_correction.noise_std=step",)  # DP-MuonBC only: against plain DP-Muon
+
+
+def overrides(contender: str, lr: float, seed: int, *extra: str) -> tuple[str, ...]:
+    return (
+        "experiment=pretrained_tiny_e2e", *CONTENDERS[contender], f"optimizer.lr={lr:.6g}", f"optimizer.adam.lr={lr:.6g}",
+        "privacy.target_epsilon=8", f"seed={seed}", *extra,
+    )
+
+
+def tune_name(contender: str, lr: float, seed: int) -> str:
+    return f"{contender}_lr{lr:.4g}_seed{seed}"
+
+
+def val_nll(results: Path, stage: str, name: str) -> float | None:
+    path = results / stage / name / SUMMARY_FILE
+    value = read_summary(path).get("val_nll") if path.exists() else None
+    return value if value is not None and math.isfinite(value) else None
+
+
+def tuning_grid(results: Path, contender: str) -> tuple[list[float], float | None]:
+    """The rates to tune (RATES, extended past an edge that wins) and the best, once all are in."""
+    rates = list(RATES)
+    while True:
+        means = {}
+        for lr in rates:
+            nlls = [val_nll(results, "tune", tune_name(contender, lr, s)) for s in SEEDS_TUNE]
+            if None in nlls:
+                return rates, None
+            means[lr] = statistics.mean(nlls)
+        best = min(means, key=means.get)
+        if best == rates[0]:
+            rates.insert(0, rates[0] / math.sqrt(2))
+        elif best == rates[-1]:
+            rates.append(rates[-1] * math.sqrt(2))
+        else:
+            return rates, best
+
+
+def jobs(results: Path, mechanism_seed) -> list[Job]:
+    """The runs of every stage whose inputs are published; seed-major within a stage."""
+    out, best = [], {}
+    for contender in CONTENDERS:
+        rates, best[contender] = tuning_grid(results, contender)
+        out += [Job(tune_name(contender, lr, s), "tune", overrides(contender, lr, s), mechanism_seed(s)) for s in SEEDS_TUNE for lr in rates]
+    if None in best.values():
+        return out
+    oracle = ("logging.oracle_alignment=true",)
+    for seed in SEEDS:
+        secret = mechanism_seed(seed)
+        for contender, lr in best.items():
+            out.append(Job(f"{contender}_seed{seed}", "finals", overrides(contender, lr, seed, *oracle), secret))
+        for variant, extra in VARIANTS.items():
+            for contender in ("dp_muon", "dp_muonbc"):
+                out.append(Job(f"{contender}_{variant}_seed{seed}", "variants", overrides(contender, best[contender], seed, *extra), secret))
+        out.append(Job(f"dp_muonbc_stepstd_seed{seed}", "variants", overrides("dp_muonbc", best["dp_muonbc"], seed, *STEP_STD), secret))
+    horizon = ("trainer.steps=null", f"trainer.epochs={HORIZON_EPOCHS}", "trainer.eval_every=25", "trainer.checkpoint_every=25")
+    for seed in SEEDS:
+        for contender in ("dp_muon", "dp_muonbc"):
+            out.append(Job(f"{contender}_seed{seed}", "horizon", overrides(contender, best[contender], seed, *horizon), mechanism_seed(seed)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("run", "list"))
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
+    parser.add_argument("--work", type=Path, default=REPO / "outputs" / "bc_fair", help="working run directories")
+    parser.add_argument("--results", type=Path, default=REPO / "results" / "bc_regime" / "fair")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        for job in jobs(args.results, lambda seed: None):
+            print(job.stage, job.name, " ".join(job.overrides))
+        return 0
+    if not (REPO / "models" / "public-for-e2e").exists():
+        raise SystemExit("models/public-for-e2e is missing: make models/public-for-e2e")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    publish_public_model(args.results / "public_pretraining")
+    seeds = MechanismSeeds(args.work / "mechanism_seeds.json")
+    while True:  # a stage's results unlock the next one's jobs
+        todo = jobs(args.results, seeds)
+        pending = [job for job in todo if not (args.results / job.stage / job.name / SUMMARY_FILE).exists()]
+        if not pending:
+            return 0
+        print(f"bc_fair: {len(pending)} runs to do, {args.jobs} at a time", flush=True)
+        run_jobs(pending, args.work, args.results, threads=1, parallel=args.jobs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The fair comparison's table and figure from its published runs (results/bc_regime/fair/).
+
+    python -m dpmuon.experiments.bc_fair_report [results/bc_regime/fair]
+
+Writes `fair.md` next to the runs (every comparison paired by mechanism seed, with a t-based 95%
+confidence interval over seeds) and `paired_delta.png` (paired Δ validation NLL, DP-MuonBC −
+DP-Muon, against step: one panel per setting). A cell that was not measured says so.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from ..eval.runs import SUMMARY_FILE, Run, read_summary  # noqa: E402
+from ..paths import REPO_ROOT  # noqa: E402
+from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, VARIANTS  # noqa: E402
+
+NOT_RUN = "not run yet"
+_PNG_METADATA = {"Software": None}  # no matplotlib version stamp: reproducible files
+
+
+def load(root: Path, stage: str) -> dict[str, Run]:
+    return {p.parent.name: Run(p.parent, read_summary(p)) for p in sorted((root / stage).glob(f"*/{SUMMARY_FILE}"))}
+
+
+def mean_ci(values: list[float]) -> str:
+    """mean [95% t-interval] (n); one value has no interval."""
+    if not values:
+        return NOT_RUN
+    if len(values) == 1:
+        return f"{values[0]:+.4f} (n = 1)"
+    half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    mean = statistics.mean(values)
+    return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (n = {len(values)})"
+
+
+def paired(runs: dict[str, Run], bc: str, muon: str, key: str = "test_nll") -> list[float]:
+    """BC − Muon of `key` over the seeds where both runs have it (same seed: same lots and noise)."""
+    deltas = []
+    for seed in SEEDS:
+        a, b = runs.get(f"{bc}_seed{seed}"), runs.get(f"{muon}_seed{seed}")
+        if a is not None and b is not None and None not in (a.summary.get(key), b.summary.get(key)):
+            deltas.append(a.summary[key] - b.summary[key])
+    return deltas
+
+
+def tuning_markdown(tune: dict[str, Run]) -> str:
+    by_rate: dict[str, dict[float, list[float]]] = {c: defaultdict(list) for c in CONTENDERS}
+    for name, run in tune.items():
+        contender = name.rsplit("_lr", 1)[0]
+        if contender in by_rate and run.summary.get("val_nll") is not None:
+            by_rate[contender][run.learning_rates["lr"]].append(run.summary["val_nll"])
+    rates = sorted({lr for grid in by_rate.values() for lr in grid})
+    lines = ["## Tuning at the final horizon (validation NLL, mean over seeds; * = selected)", "",
+             "| rate | " + " | ".join(CONTENDERS) + " |", "|---|" + "---|" * len(CONTENDERS)]  # fmt: skip
+    best = {c: min(g, key=lambda lr: statistics.mean(g[lr])) if g else None for c, g in by_rate.items()}
+    for lr in rates:
+        cells = []
+        for contender in CONTENDERS:
+            values = by_rate[contender].get(lr)
+            mark = "*" if best[contender] == lr else ""
+            cells.append(f"{statistics.mean(values):.4f}{mark} ({len(values)})" if values else NOT_RUN)
+        lines.append(f"| {lr:.4g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def comparisons_markdown(root: Path) -> str:
+    finals, variants, horizon = load(root, "finals"), load(root, "variants"), load(root, "horizon")
+    rows = [
+        ("each at its best rate", "DP-MuonBC − DP-Muon", paired(finals, "dp_muonbc", "dp_muon")),
+        ("each at its best rate", "DP-MuonBC (match_norm) − DP-Muon", paired(finals, "dp_muonbc_matched", "dp_muon")),
+        ("each at its best rate", "DP-MuonBC − DP-MuonBC (match_norm)", paired(finals, "dp_muonbc", "dp_muonbc_matched")),
+        *((f"variant {v}", "DP-MuonBC − DP-Muon", paired(variants, f"dp_muonbc_{v}", f"dp_muon_{v}")) for v in VARIANTS),
+        ("s = one step's noise std", "DP-MuonBC − DP-Muon (finals)", paired({**variants, **finals}, "dp_muonbc_stepstd", "dp_muon")),
+        (f"horizon ({HORIZON_EPOCHS} epochs)", "DP-MuonBC − DP-Muon", paired(horizon, "dp_muonbc", "dp_muon")),
+    ]
+    lines = ["## Paired Δ test NLL (same mechanism seed; mean [95% t-interval over seeds])", "",
+             "| setting | comparison | Δ test NLL |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {setting} | {what} | {mean_ci(deltas)} |" for setting, what, deltas in rows]
+    ratios = []  # per DP-MuonBC final: its median over steps of the median over matrices
+    for name, run in finals.items():
+        per_step = [r["update_norm_ratio_median"] for r in run.load_metrics() if r.get("update_norm_ratio_median") is not None]
+        if name.startswith("dp_muonbc_seed") and per_step:
+            ratios.append(statistics.median(per_step))
+    lines += ["", f"Median step-length ratio ‖F_BC(M)‖/‖F(M)‖ of the DP-MuonBC finals: {mean_ci(ratios).replace('+', '')}."]
+    return "\n".join(lines) + "\n"
+
+
+def delta_curves(runs: dict[str, Run], bc: str, muon: str) -> dict[int, list[float]]:
+    """Paired Δ validation NLL per step, over the seeds with both curves."""
+    curves: dict[int, list[float]] = defaultdict(list)
+    for seed in SEEDS:
+        a, b = runs.get(f"{bc}_seed{seed}"), runs.get(f"{muon}_seed{seed}")
+        if a is None or b is None:
+            continue
+        va, vb = ({r["step"]: r["val_nll"] for r in run.load_metrics() if r.get("val_nll") is not None} for run in (a, b))
+        for step in sorted(set(va) & set(vb)):
+            curves[step].append(va[step] - vb[step])
+    return curves
+
+
+def delta_figure(root: Path, path: Path) -> None:
+    finals, variants, horizon = load(root, "finals"), load(root, "variants"), load(root, "horizon")
+    panels = [("each at its best rate", finals, "dp_muonbc", "dp_muon"), ("match_norm", finals, "dp_muonbc_matched", "dp_muon"),
+              *((v, variants, f"dp_muonbc_{v}", f"dp_muon_{v}") for v in VARIANTS), ("horizon", horizon, "dp_muonbc", "dp_muon")]  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3), sharey=True)
+    for ax, (title, runs, bc, muon) in zip(axes, panels):
+        curves = delta_curves(runs, bc, muon)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        if curves:
+            steps = sorted(curves)
+            for seed_index in range(max(len(v) for v in curves.values())):
+                ax.plot([s for s in steps if len(curves[s]) > seed_index], [curves[s][seed_index] for s in steps if len(curves[s]) > seed_index],
+                        color="#d62728", alpha=0.35, linewidth=0.8)  # fmt: skip
+            ax.plot(steps, [statistics.mean(curves[s]) for s in steps], color="#d62728", linewidth=2, label="mean over seeds")
+        else:
+            ax.text(0.5, 0.5, NOT_RUN, ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+    axes[0].set_ylabel("Δ val NLL, DP-MuonBC − DP-Muon (paired)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata=_PNG_METADATA)
+    plt.close(fig)
+
+
+def write_report(root: Path, out: Path | None = None) -> list[Path]:
+    """fair.md and paired_delta.png of the runs under `root`, written to `out` (default: `root`)."""
+    out = out or root
+    out.mkdir(parents=True, exist_ok=True)
+    table, figure = out / "fair.md", out / "paired_delta.png"
+    header = (
+        "# DP-MuonBC compared fairly (pretrained tiny model, E2E, lot 256, ε = 8)\n\n"
+        "From `python -m dpmuon.experiments.bc_fair_report`; runs from `python -m dpmuon.experiments.bc_fair run`.\n\n"
+    )
+    table.write_text(header + tuning_markdown(load(root, "tune")) + "\n" + comparisons_markdown(root))
+    delta_figure(root, figure)
+    return [table, figure]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    for path in write_report(Path(argv[0]) if argv else REPO_ROOT / "results" / "bc_regime" / "fair"):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

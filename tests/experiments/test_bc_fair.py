@@ -1,0 +1,58 @@
+"""The fair comparison's stages: tuning extends a grid whose edge wins, and finals, variants and
+the horizon start only from the best rates of a complete tuning stage."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from helpers_runs import write_run
+
+from dpmuon.experiments.bc_fair import CONTENDERS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
+from dpmuon.experiments.bc_fair_report import comparisons_markdown, load, mean_ci, paired
+
+
+def publish(results: Path, contender: str, lr: float, nll: float) -> None:
+    for seed in SEEDS_TUNE:
+        write_run(results / "tune", tune_name(contender, lr, seed), val_nll=nll + 0.001 * seed)
+
+
+def test_tuning_waits_for_every_run_then_extends_a_winning_edge(tmp_path):
+    rates, best = tuning_grid(tmp_path, "dp_muon")
+    assert rates == list(RATES) and best is None
+    for lr in RATES:  # the largest rate wins: the grid grows past it
+        publish(tmp_path, "dp_muon", lr, nll=1.0 - lr)
+    rates, best = tuning_grid(tmp_path, "dp_muon")
+    assert best is None and math.isclose(rates[-1], RATES[-1] * math.sqrt(2))
+    publish(tmp_path, "dp_muon", rates[-1], nll=5.0)  # worse past the edge: the old edge is best
+    assert tuning_grid(tmp_path, "dp_muon")[1] == RATES[-1]
+
+
+def test_later_stages_start_from_the_best_rates_paired_by_seed(tmp_path):
+    assert {job.stage for job in jobs(tmp_path, lambda seed: seed)} == {"tune"}
+    for contender in CONTENDERS:
+        for lr in RATES:
+            publish(tmp_path, contender, lr, nll=abs(lr - RATES[2]))  # the middle rate wins
+    todo = jobs(tmp_path, lambda seed: 100 + seed)
+    finals = [job for job in todo if job.stage == "finals"]
+    assert len(finals) == len(CONTENDERS) * len(SEEDS)
+    assert all(f"optimizer.lr={RATES[2]:.6g}" in job.overrides for job in finals)
+    assert all(job.mechanism_seed == 100 + int(job.name[-1]) for job in todo if job.stage != "tune")
+    assert {job.stage for job in todo} == {"tune", "finals", "variants", "horizon"}
+
+
+def test_report_pairs_by_seed_with_a_t_interval(tmp_path):
+    for seed, (bc, muon) in enumerate([(0.50, 0.52), (0.61, 0.60), (0.44, 0.47)]):
+        write_run(tmp_path / "finals", f"dp_muonbc_seed{seed}", test_nll=bc)
+        write_run(tmp_path / "finals", f"dp_muon_seed{seed}", test_nll=muon)
+    write_run(tmp_path / "finals", "dp_muonbc_matched_seed0", test_nll=0.4)  # no seed-0 pair missing: n = 1
+    runs = load(tmp_path, "finals")
+    deltas = paired(runs, "dp_muonbc", "dp_muon")
+    assert deltas == pytest.approx([-0.02, 0.01, -0.03])
+    half = 4.302653 * statistics.stdev(deltas) / math.sqrt(3)  # t(0.975, 2)
+    assert mean_ci(deltas) == f"{-0.04 / 3:+.4f} [{-0.04 / 3 - half:+.4f}, {-0.04 / 3 + half:+.4f}] (n = 3)"
+    assert mean_ci(paired(runs, "dp_muonbc_matched", "dp_muon")) == "-0.1200 (n = 1)"
+    assert mean_ci([]) == "not run yet"
+    assert "not run yet" in comparisons_markdown(tmp_path)  # the variants and the horizon
