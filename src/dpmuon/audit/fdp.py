@@ -95,7 +95,10 @@ def gdp_epsilon(mu: float, delta: float, tolerance: float = 1e-6) -> float:
 def subsampled_gaussian_profile(noise_multiplier: float, sample_rate: float, steps: int, epsilons: tuple[float, ...] = EPSILON_GRID) -> PrivacyProfile:
     """The accountant's claim as a profile: T compositions of the Poisson-subsampled Gaussian
     (σ, q), through dp_accounting's PLD accountant (pessimistic discretization: δ(ε) upper bounds)."""
-    from dp_accounting import dp_event, pld
+    try:
+        from dp_accounting import dp_event, pld
+    except ImportError:
+        raise SystemExit("error: the f-DP audit needs dp-accounting: pip install -e '.[audit]'") from None
 
     accountant = pld.PLDAccountant()
     accountant.compose(dp_event.PoissonSampledDpEvent(sample_rate, dp_event.GaussianDpEvent(noise_multiplier)), steps)
