@@ -94,6 +94,15 @@ def test_two_runs_with_identical_config_draw_different_lots(tmp_path, mode):
     assert not set(digests[0]) & set(digests[1])
 
 
+def test_a_non_private_run_draws_its_lots_from_the_public_seed_and_rebuilds_bit_for_bit(tmp_path):
+    """Its lots protect nothing, so a public model (scripts/pretrain_public.py) made by one is
+    reproducible in a fresh checkout; another seed draws other lots."""
+    require_real_data()
+    public = [*TINY, "optimizer=adam"]
+    weights = [run(compose_config(*public, f"seed={seed}"), tmp_path / name)["final_weights_sha256"] for name, seed in (("a", 0), ("b", 0), ("c", 1))]
+    assert weights[0] == weights[1] != weights[2]
+
+
 def test_a_user_seed_never_reaches_the_artifacts_or_the_console(tmp_path):
     require_real_data()
     run_dir = tmp_path / "run"
