@@ -38,15 +38,12 @@ class PoissonLotSampler:
         self.max_lot_size = max_lot_size
 
     def next_lot(self) -> list[int]:
-        if self.secure:
-            lot = np.flatnonzero(secure_uniform(self.num_samples) < self.sample_rate)
-            keep = np.argsort(secure_uniform(len(lot)))
-        else:
-            (rng,) = self.stream.generators()
-            lot = np.flatnonzero(rng.random(self.num_samples) < self.sample_rate)
-            keep = rng.permutation(len(lot))
-        if self.max_lot_size is not None and len(lot) > self.max_lot_size:
-            lot = np.sort(lot[keep[: self.max_lot_size]])
+        rng = None if self.secure else self.stream.generators()[0]
+        coins = secure_uniform(self.num_samples) if rng is None else rng.random(self.num_samples)
+        lot = np.flatnonzero(coins < self.sample_rate)
+        if self.max_lot_size is not None and len(lot) > self.max_lot_size:  # the charged bad event
+            order = np.argsort(secure_uniform(len(lot))) if rng is None else rng.permutation(len(lot))
+            lot = np.sort(lot[order[: self.max_lot_size]])
         return lot.tolist()
 
     def state_dict(self) -> dict:
