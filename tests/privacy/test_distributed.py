@@ -24,14 +24,14 @@ LOTS = [[0, 3, 4, 9, 12, 15, 21, 30, 33], [1, 2, 8, 17, 25, 39], [5, 6, 7, 10, 1
 MUONBC = {"lr": 0.02, "momentum": 0.9, "adam": {"lr": 1e-3}, "bias_correction": {"probe_scale": 1.0, "num_probes": 1}}
 
 
-def train_steps(parallel: DataParallel) -> dict:
+def train_steps(parallel: DataParallel, secure: bool = False) -> dict:
     """A few DP-MuonBC steps on the fixed lots; this rank processes its shard of each lot."""
     torch.manual_seed(0)
     model = tiny_gpt2(tie=True)
     partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.5, matrix_names=hidden_matrices(model))
     privatizer = Privatizer(
         model, partition, noise_multiplier=0.8, expected_lot_size=8, sample_rate=0.2, accountant=PrivacyAccountant(1e-5),
-        noise=GaussianNoise(SecretStream(5)), parallel=parallel,
+        noise=GaussianNoise(secure=True) if secure else GaussianNoise(SecretStream(5)), parallel=parallel,
     )  # fmt: skip
     optimizer = build_optimizer(
         "muonbc",
@@ -55,14 +55,23 @@ def train_steps(parallel: DataParallel) -> dict:
     }
 
 
-def _worker(rank: int, init_file: str, out: str) -> None:
+def _worker(rank: int, init_file: str, out: str, secure: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     parallel = DataParallel(rank, 2)
-    result = train_steps(parallel)
+    result = train_steps(parallel, secure)
     parallel.leave()  # as the driver does after training
     result["left"] = not dist.is_initialized()
     torch.save(result, f"{out}.{rank}")
+
+
+def test_two_gloo_processes_in_secure_mode_release_rank_zeros_noise_once(tmp_path):
+    """CSPRNG draws differ per rank, so rank 0 alone noises and the others take its release."""
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path / "out"), True), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(2)]
+    for step, grads in enumerate(ranks[0]["released"]):
+        assert all(torch.equal(g, ranks[1]["released"][step][name]) for name, g in grads.items()), step
+    assert all(torch.equal(p, ranks[1]["params"][name]) for name, p in ranks[0]["params"].items())
 
 
 def test_two_gloo_processes_release_what_one_process_releases(tmp_path):

@@ -154,11 +154,11 @@ class Privatizer:
         if self.parallel.world_size > 1:  # the grid rounds the whole lot's sum: add the shards first
             self.parallel.all_reduce_sum(list(summed.values()))
             stats = _reduce_stats(stats, self.parallel)
-        released = self._noised(summed)
-        if self.noise.secure and self.parallel.world_size > 1:  # CSPRNG draws differ per rank: take rank 0's
-            shared = [g if self.parallel.is_main else torch.zeros_like(g) for g in released.values()]
-            self.parallel.all_reduce_sum(shared)  # x + 0 = x: rank 0's values exactly
-            released = dict(zip(released, shared))
+        if self.noise.secure and self.parallel.world_size > 1:  # CSPRNG draws differ per rank: rank 0 noises
+            released = self._noised(summed) if self.parallel.is_main else {n: torch.zeros_like(p) for n, p in self.params.items()}
+            self.parallel.all_reduce_sum(list(released.values()))  # x + 0 = x: rank 0's values exactly
+        else:  # every rank draws the same keyed noise: the same release, with no second all-reduce
+            released = self._noised(summed)
         bad = [name for name, g in released.items() if not _all_finite(g)]
         if bad:  # checked before any p.grad is written: nothing half-released
             raise NonFiniteReleaseError(

@@ -42,8 +42,7 @@ class PrivacyPlan:
 
     @property
     def slack(self) -> ReleaseSlack:
-        """What each release costs beyond the ideal subsampled Gaussian (ReleaseSlack)."""
-        return release_slack(self.released_coordinates) + ReleaseSlack(bad_event=self.truncation_probability)
+        return plan_slack(self.released_coordinates, self.truncation_probability)
 
     @property
     def delta_times_n(self) -> float | None:
@@ -74,7 +73,7 @@ def make_plan(
     if not private:
         return PrivacyPlan(False, dataset_size, expected_lot_size, q, steps, 0.0, None, None, None, None)
     check_private_inputs(dataset_size, target_epsilon, delta, accountant)
-    slack = release_slack(released_coordinates) + ReleaseSlack(bad_event=truncation_probability)
+    slack = plan_slack(released_coordinates, truncation_probability)
     if noise_multiplier is None:
         sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant, slack)
     else:
@@ -92,6 +91,12 @@ def make_plan(
         True, dataset_size, expected_lot_size, q, steps, sigma, target_epsilon, delta, accountant, planned,
         max_lot_size, truncation_probability, released_coordinates,
     )  # fmt: skip
+
+
+def plan_slack(released_coordinates: int, truncation_probability: float) -> ReleaseSlack:
+    """What each release costs beyond the ideal subsampled Gaussian: its float64 grid noise and the
+    chance that a constant-time lot was truncated."""
+    return release_slack(released_coordinates) + ReleaseSlack(bad_event=truncation_probability)
 
 
 def check_private_inputs(dataset_size: int, target_epsilon: float, delta: float, accountant: str) -> None:
