@@ -105,7 +105,9 @@ class Config:
         if not self.private:
             return [f"optimizer={self.optimizer}"]
         return [
-            f"optimizer={self.optimizer}", f"privacy={self.clip_mode}", f"privacy.engine={self.engine}",
+            f"optimizer={self.optimizer}",
+            f"privacy={self.clip_mode}",
+            f"privacy.engine={self.engine}",
             f"privacy.noise_multiplier={NOISE_MULTIPLIER}",
         ]
 
@@ -178,7 +180,11 @@ def bench_plan(cfg: DictConfig, lot_size: int) -> PrivacyPlan:
     """A privacy plan for timing only: σ and q fixed (not calibrated to the target ε), one step."""
     private = bool(cfg.optimizer.private)
     return PrivacyPlan(
-        private=private, dataset_size=round(lot_size / SAMPLE_RATE), expected_lot_size=lot_size, sample_rate=SAMPLE_RATE, steps=1,
+        private=private,
+        dataset_size=round(lot_size / SAMPLE_RATE),
+        expected_lot_size=lot_size,
+        sample_rate=SAMPLE_RATE,
+        steps=1,
         noise_multiplier=float(cfg.privacy.noise_multiplier) if private else 0.0,
         target_epsilon=float(cfg.privacy.target_epsilon) if private else None,
         delta=float(cfg.privacy.delta) if private else None,
@@ -204,7 +210,9 @@ class Runner:
         self.optimizer = build_optimizer(
             cfg.optimizer.kind,
             OptimizerInputs(
-                params=named, hidden_matrices=matrices, release_noise_std=self.release.release_noise_std(),
+                params=named,
+                hidden_matrices=matrices,
+                release_noise_std=self.release.release_noise_std(),
                 generator=torch.Generator(device=device).manual_seed(0),
             ),
             OmegaConf.to_container(cfg.optimizer, resolve=True),
@@ -271,8 +279,20 @@ def peak_memory_mib(config: Config, args, batches, device) -> float:
 
 def peak_memory_in_subprocess(config: Config, args, lot_path: Path) -> float:
     command = [
-        sys.executable, __file__, "--memory-probe", config.label, "--lot-file", str(lot_path),
-        "--model", args.model, "--lot", str(args.lot), "--device", args.device, "--threads", str(args.threads),
+        sys.executable,
+        __file__,
+        "--memory-probe",
+        config.label,
+        "--lot-file",
+        str(lot_path),
+        "--model",
+        args.model,
+        "--lot",
+        str(args.lot),
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
     ]
     # A fixed mmap threshold makes glibc return every freed block ≥ 1 MiB to the OS, so the
     # peak RSS tracks the peak of live tensors instead of what the allocator kept cached.
@@ -292,9 +312,11 @@ def summarize(configs, times, peaks, lot: int) -> list[dict[str, Any]]:
         release_s = statistics.median(times[config]["release_s"])
         optimizer_s = statistics.median(times[config]["optimizer_s"])
         rows[config] = {
-            "config": config.label, **asdict(config),
+            "config": config.label,
+            **asdict(config),
             "examples_per_s": lot / (release_s + optimizer_s),
-            "release_s": release_s, "optimizer_s": optimizer_s,
+            "release_s": release_s,
+            "optimizer_s": optimizer_s,
             "optimizer_share": optimizer_s / (release_s + optimizer_s),
             "peak_mib": peaks.get(config),
         }
@@ -305,8 +327,10 @@ def summarize(configs, times, peaks, lot: int) -> list[dict[str, Any]]:
         row["throughput_vs_non_private"] = statistics.median(
             (t_release + t_optimizer) / (c_release + c_optimizer)
             for t_release, t_optimizer, c_release, c_optimizer in zip(
-                times[config.twin]["release_s"], times[config.twin]["optimizer_s"],
-                times[config]["release_s"], times[config]["optimizer_s"],
+                times[config.twin]["release_s"],
+                times[config.twin]["optimizer_s"],
+                times[config]["release_s"],
+                times[config]["optimizer_s"],
             )
         )
         row["memory_vs_non_private"] = None if row["peak_mib"] is None else row["peak_mib"] / twin["peak_mib"]
@@ -396,7 +420,8 @@ def main(argv: list[str] | None = None) -> None:
         f"model {args.model}, {args.data} lot {args.lot} in micro-batches of {args.micro_batch} "
         f"({tokens / args.lot:.1f} tokens/example), device {device}, {torch.get_num_threads()} threads, "
         f"{args.repeats} repeats, {len(configs)} configurations",
-        file=sys.stderr, flush=True,
+        file=sys.stderr,
+        flush=True,
     )
     batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
     times, runners = measure_throughput(configs, args, batches, device)
@@ -420,8 +445,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("memory_probe", "lot_file")}
         meta = {
-            "settings": settings, "threads": torch.get_num_threads(), "memory": memory_label, "torch": torch.__version__,
-            "git_commit": code_version(), "command": " ".join(["python", "scripts/bench_step.py", *sys.argv[1:]]),
+            "settings": settings,
+            "threads": torch.get_num_threads(),
+            "memory": memory_label,
+            "torch": torch.__version__,
+            "git_commit": code_version(),
+            "command": " ".join(["python", "scripts/bench_step.py", *sys.argv[1:]]),
         }
         args.json.write_text(to_json({**meta, "rows": rows, "phases": {c.label: p for c, p in phases.items()}}, indent=2))
 

@@ -59,9 +59,11 @@ def convert(gguf: Path, out: Path) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"saved {out}: {type(model).__name__}, {parameters / 1e6:.1f}M parameters, tied head: "
-          f"{model.get_output_embeddings().weight is model.get_input_embeddings().weight}, "
-          f"eos {tokenizer.eos_token!r}, pad {tokenizer.pad_token!r}")
+    print(
+        f"saved {out}: {type(model).__name__}, {parameters / 1e6:.1f}M parameters, tied head: "
+        f"{model.get_output_embeddings().weight is model.get_input_embeddings().weight}, "
+        f"eos {tokenizer.eos_token!r}, pad {tokenizer.pad_token!r}"
+    )
 
 
 def check(model) -> None:

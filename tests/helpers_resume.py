@@ -69,9 +69,7 @@ def ledger(run_dir: Path) -> list[dict]:
 
 
 def resume(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}"], capture_output=True, text=True, timeout=600
-    )
+    return subprocess.run([sys.executable, "-m", "dpmuon.train", f"resume={run_dir}"], capture_output=True, text=True, timeout=600)
 
 
 def assert_same_run(resumed: Path, reference: tuple[Path, dict]) -> None:

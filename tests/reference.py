@@ -77,5 +77,3 @@ def assert_close_dicts(got: dict, expected: dict, atol: float = ATOL, rtol: floa
 def assert_close_norms(got: dict, expected: dict):
     """The fast engine's float64 squared norms against a reference's."""
     assert_close_dicts(got, expected, atol=1e-10, dtype=torch.float64)
-
-

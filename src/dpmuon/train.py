@@ -1,7 +1,7 @@
 """`python -m dpmuon.train`: compose the config with Hydra and run one training job.
 
-    python -m dpmuon.train experiment=smoke optimizer=dp_muonbc dataset=e2e logger=none
-    python -m dpmuon.train resume=outputs/smoke/e2e/dp_muonbc/seed0_...   # continue a killed run
+python -m dpmuon.train experiment=smoke optimizer=dp_muonbc dataset=e2e logger=none
+python -m dpmuon.train resume=outputs/smoke/e2e/dp_muonbc/seed0_...   # continue a killed run
 """
 
 from __future__ import annotations

@@ -448,9 +448,7 @@ def test_quick_mode_passes_the_correct_mechanism(quick_results, setup):
     assert not (result.detected or result.noise_flagged or result.sampler_flagged)
 
 
-@pytest.mark.parametrize(
-    "setup, breakage", [(s, b) for s in MODES["quick"] for b in s.breaks if b != "none"], ids=lambda x: getattr(x, "name", x)
-)
+@pytest.mark.parametrize("setup, breakage", [(s, b) for s in MODES["quick"] for b in s.breaks if b != "none"], ids=lambda x: getattr(x, "name", x))
 def test_quick_mode_catches_every_mutation(quick_results, setup, breakage):
     result = quick_results[setup.name, BREAK_LABELS[breakage]]
     # The mutation is invisible to the accountant: it claims what the calibrated σ buys.

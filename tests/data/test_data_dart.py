@@ -73,9 +73,7 @@ def test_invalid_json_reports_line_and_column(tmp_path: Path) -> None:
         (["a", "b", "c"], "expected an object with `tripleset` and `annotations`"),
     ],
 )
-def test_malformed_item_names_file_index_and_expectation(
-    tmp_path: Path, bad_item: Any, problem: str
-) -> None:
+def test_malformed_item_names_file_index_and_expectation(tmp_path: Path, bad_item: Any, problem: str) -> None:
     path = write_json(tmp_path / "train.json", [item([["a", "b", "c"]], "ok"), bad_item])
 
     with pytest.raises(DataError, match=r"train\.json: item 1 \(counting from 0\): ") as raised:

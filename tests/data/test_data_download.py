@@ -23,9 +23,7 @@ def local_copy(tmp_path: Path) -> Path:
     prefix_dir.mkdir(parents=True)
     (prefix_dir / "src1_test.txt").write_text("name : A||a . \n", encoding="utf-8")
     (copy / "dart").mkdir()
-    (copy / "dart" / "dart-v1.1.1-full-dev.json").write_text(
-        '[{"tripleset": [["s", "r", "o"]], "annotations": [{"text": "t"}]}]', encoding="utf-8"
-    )
+    (copy / "dart" / "dart-v1.1.1-full-dev.json").write_text('[{"tripleset": [["s", "r", "o"]], "annotations": [{"text": "t"}]}]', encoding="utf-8")
     return copy
 
 
@@ -50,9 +48,7 @@ def test_link_selects_datasets_and_is_repeatable(tmp_path: Path, local_copy: Pat
     assert sorted(os.listdir(root)) == ["dart"]
 
 
-def test_link_replaces_an_empty_folder_but_never_real_data(
-    tmp_path: Path, local_copy: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_link_replaces_an_empty_folder_but_never_real_data(tmp_path: Path, local_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "raw"
     (root / "e2e").mkdir(parents=True)
     (root / "dart").mkdir()
@@ -65,9 +61,7 @@ def test_link_replaces_an_empty_folder_but_never_real_data(
     assert "exists and is not a symlink" in capsys.readouterr().err
 
 
-def test_link_to_a_folder_without_the_dataset_fails_cleanly(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_link_to_a_folder_without_the_dataset_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--root", str(tmp_path / "raw"), "--link", str(tmp_path / "nowhere")]) == 1
 
     error = capsys.readouterr().err

@@ -38,9 +38,7 @@ def test_csv_accepts_unquoted_header_crlf_and_a_comma_inside_a_value(tmp_path: P
     path = tmp_path / "devset.csv"
     path.write_bytes(b'mr,ref\r\n"name[Bar, The], area[riverside]",Fine.\r\n\r\n')
 
-    assert read_e2e_csv(path) == [
-        Example(source="name : Bar, The | area : riverside", target="Fine.")
-    ]
+    assert read_e2e_csv(path) == [Example(source="name : Bar, The | area : riverside", target="Fine.")]
 
 
 def test_csv_reads_gzip(tmp_path: Path) -> None:
@@ -75,9 +73,7 @@ def test_csv_line_numbers_count_from_the_start_of_a_multiline_row(tmp_path: Path
         ("name[]", "empty value"),
     ],
 )
-def test_malformed_meaning_representation_names_file_and_line(
-    tmp_path: Path, mr: str, problem: str
-) -> None:
+def test_malformed_meaning_representation_names_file_and_line(tmp_path: Path, mr: str, problem: str) -> None:
     path = write(tmp_path / "testset_w_refs.csv", f'{CSV_HEADER}"{mr}","text"\n')
 
     with pytest.raises(DataError, match=r"testset_w_refs\.csv, line 2: ") as raised:

@@ -27,9 +27,7 @@ def save_word_tokenizer(directory: Path, **special_tokens: str) -> Path:
     """Save a whitespace word-level tokenizer: ids are predictable and no download is needed."""
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    wrapper = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>", **special_tokens
-    )
+    wrapper = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>", **special_tokens)
     wrapper.save_pretrained(directory)
     return directory
 
@@ -54,9 +52,7 @@ def test_load_tokenizer_adds_a_dedicated_pad_token(tokenizer: PreTrainedTokenize
     assert tokenizer.eos_token_id == EOS
 
 
-def test_load_tokenizer_reads_the_environment_variable(
-    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_load_tokenizer_reads_the_environment_variable(tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DPMUON_TOKENIZER", str(tokenizer_dir))
     assert load_tokenizer().eos_token_id == EOS
 

@@ -45,9 +45,7 @@ def test_public_constants() -> None:
         ("dart", "train", None, "dart/dart-v1.1.1-full-train.reconstructed.json.gz"),
     ],
 )
-def test_locate_split_finds_each_layout(
-    tmp_path: Path, dataset: str, split: str, fmt: str | None, relative: str
-) -> None:
+def test_locate_split_finds_each_layout(tmp_path: Path, dataset: str, split: str, fmt: str | None, relative: str) -> None:
     expected = make_file(tmp_path / relative)
 
     assert locate_split(dataset, split, tmp_path, fmt) == expected
@@ -79,18 +77,14 @@ def test_missing_split_lists_tried_paths_and_says_make_data(tmp_path: Path) -> N
         ("dart", "train", "csv", "json"),
     ],
 )
-def test_unknown_names_list_the_valid_values(
-    tmp_path: Path, dataset: str, split: str, fmt: str | None, listed: str
-) -> None:
+def test_unknown_names_list_the_valid_values(tmp_path: Path, dataset: str, split: str, fmt: str | None, listed: str) -> None:
     with pytest.raises(DataError, match=f"expected one of {listed}"):
         locate_split(dataset, split, tmp_path, fmt)
     with pytest.raises(DataError, match=f"expected one of {listed}"):
         load_examples(dataset, split, tmp_path, fmt)
 
 
-def test_default_data_root_follows_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_default_data_root_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DPMUON_DATA_DIR", str(tmp_path))
     assert default_data_root() == tmp_path
 
@@ -115,9 +109,7 @@ def test_load_examples_reads_each_format_from_a_root(tmp_path: Path) -> None:
     assert load_examples("dart", "test", tmp_path) == [Example("s : r : o", "t")]
 
 
-def test_load_examples_defaults_to_the_data_root(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_load_examples_defaults_to_the_data_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_file(tmp_path / "e2e/prefix_tuning_format/src1_valid.txt", "name : A||a \n")
     monkeypatch.setenv("DPMUON_DATA_DIR", str(tmp_path))
 

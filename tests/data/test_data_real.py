@@ -60,9 +60,7 @@ def test_e2e_prefix_split_sizes(data_root: Path, split: str, examples: int, sour
     assert all(example.target == example.target.strip() for example in loaded)
 
 
-@pytest.mark.parametrize(
-    ("split", "examples", "sources"), [("valid", 4672, 547), ("test", 4693, 630)]
-)
+@pytest.mark.parametrize(("split", "examples", "sources"), [("valid", 4672, 547), ("test", 4693, 630)])
 def test_e2e_csv_split_sizes(data_root: Path, split: str, examples: int, sources: int) -> None:
     loaded = load_examples("e2e", split, data_root, fmt="csv")
 
@@ -80,9 +78,7 @@ PREFIX_PRICE_TOKENIZATION = {
 
 
 @pytest.mark.parametrize("split", ["valid", "test"])
-def test_e2e_csv_and_prefix_sources_differ_only_in_price_tokenization(
-    data_root: Path, split: str
-) -> None:
+def test_e2e_csv_and_prefix_sources_differ_only_in_price_tokenization(data_root: Path, split: str) -> None:
     csv_sources = [example.source for example in load_examples("e2e", split, data_root, "csv")]
     prefix_sources = [example.source for example in load_examples("e2e", split, data_root)]
 
@@ -95,9 +91,7 @@ def test_e2e_csv_and_prefix_sources_differ_only_in_price_tokenization(
     assert retokenized == prefix_sources
 
 
-@pytest.mark.parametrize(
-    ("split", "annotations"), [("train", 62659), ("valid", 6980), ("test", 12552)]
-)
+@pytest.mark.parametrize(("split", "annotations"), [("train", 62659), ("valid", 6980), ("test", 12552)])
 def test_dart_split_sizes_and_source_shape(data_root: Path, split: str, annotations: int) -> None:
     loaded = load_examples("dart", split, data_root)
 
@@ -125,12 +119,8 @@ def test_encoding_masks_exactly_the_prompt(data_root: Path, tokenizer) -> None:
     assert encoded.labels == [-100] * len(prompt) + target_ids + [eos]
 
 
-@pytest.mark.parametrize(
-    ("dataset", "max_length", "dropped"), [("e2e", 100, 4), ("dart", 120, 2468)]
-)
-def test_length_filter_on_train(
-    data_root: Path, tokenizer, dataset: str, max_length: int, dropped: int
-) -> None:
+@pytest.mark.parametrize(("dataset", "max_length", "dropped"), [("e2e", 100, 4), ("dart", 120, 2468)])
+def test_length_filter_on_train(data_root: Path, tokenizer, dataset: str, max_length: int, dropped: int) -> None:
     examples = load_examples(dataset, "train", data_root)
 
     kept, dropped_here = encode_for_training(examples, tokenizer, max_length)

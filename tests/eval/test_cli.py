@@ -39,7 +39,6 @@ def test_scripts_run_as_commands(runs_root: Path, tmp_path: Path):
     assert missing.stderr.strip().splitlines() == [f"make_tables.py: error: {tmp_path / 'nowhere'}: no such directory (nor a summary.json file)"]
 
 
-
 def test_the_default_output_is_beside_the_runs_never_the_committed_results(runs_root: Path, tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # once, results/ of the working directory: the repository's, run from its root
     assert tables_main([str(runs_root)]) == 0

@@ -65,7 +65,6 @@ def test_paper_optimizers_have_fixed_distinct_colors():
     assert optimizer_color("my_new_optimizer") == optimizer_color("my_new_optimizer")
 
 
-
 def test_the_epsilon_panel_marks_the_target_and_every_optimizer_stays_visible(runs_root: Path):
     e2e_runs = [run for run in find_runs([runs_root]) if run.dataset == "e2e"]
     axes: Axes = Figure().subplots()

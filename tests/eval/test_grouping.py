@@ -19,4 +19,3 @@ def test_rows_are_split_and_labelled_by_model_and_target_epsilon(tmp_path: Path)
     assert all(row[4].startswith("1 ") for row in rows)  # nothing averaged across settings
     paper_bleu = {row[0]: row[header.index("paper: BLEU")] for row in rows}
     assert paper_bleu == {"dp_adam (distilgpt2, ε=8)": "18.49", "dp_adam (gpt2, ε=3)": "", "dp_adam (gpt2, ε=8)": "18.49"}
-

@@ -106,7 +106,6 @@ def test_tables_are_byte_identical_on_rerun(runs_root: Path, tmp_path: Path):
     assert all((first / name).read_bytes() == (second / name).read_bytes() for name in files)
 
 
-
 def test_one_seed_reads_as_one_seed_and_a_non_private_run_reconstructs_no_releases(tmp_path: Path):
     write_run(tmp_path / "runs", "adam", optimizer="adam", noise_multiplier=0, epsilon=None, private=False)
     assert tables_main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0

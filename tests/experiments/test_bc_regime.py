@@ -47,7 +47,10 @@ def test_the_map_covers_every_epsilon_optimizer_and_seed_at_the_committed_rates(
     assert {"optimizer=dp_muonbc", "optimizer.lr=0.003", "privacy.target_epsilon=128", "seed=2", "logging.oracle_alignment=true"} <= set(job.overrides)
     checks = [j for j in jobs if j.stage == "lr_check"]
     assert {o for j in checks for o in j.overrides if o.startswith("optimizer.lr=")} == {
-        "optimizer.lr=0.003", "optimizer.lr=0.03", "optimizer.lr=0.0009", "optimizer.lr=0.009"
+        "optimizer.lr=0.003",
+        "optimizer.lr=0.03",
+        "optimizer.lr=0.0009",
+        "optimizer.lr=0.009",
     }
     assert len([j for j in jobs if j.stage == "ablations"]) == len(bc_regime.ABLATIONS) * len(bc_regime.SEEDS)
     rules = [j for j in jobs if j.stage == "rule_check"]  # the candidate gate at every ε but the ablations' 8
@@ -92,9 +95,17 @@ def _fake_run(root, stage, name, optimizer, test_nll, snr=0.01, gain=0.02, lr=0.
     (run / "config.yaml").write_text(f"optimizer:\n  lr: {lr}\n")
     rows = [{"step": 1, "snr_median": snr / 2}]  # a row without oracle fields is skipped
     rows += [
-        {"step": s, "snr_median": snr / 2, "snr": {"w": snr / 2, "v": snr / 2}, "oracle_snr_median": snr, "oracle_snr": {"w": snr, "v": snr},
-         "oracle_cos_plain": {"w": 0.5, "v": 0.5}, "oracle_cos_bc": {"w": 0.5 + gain, "v": 0.5 + gain},
-         "oracle_cos_plain_median": 0.5, "oracle_cos_bc_median": 0.5 + gain}
+        {
+            "step": s,
+            "snr_median": snr / 2,
+            "snr": {"w": snr / 2, "v": snr / 2},
+            "oracle_snr_median": snr,
+            "oracle_snr": {"w": snr, "v": snr},
+            "oracle_cos_plain": {"w": 0.5, "v": 0.5},
+            "oracle_cos_bc": {"w": 0.5 + gain, "v": 0.5 + gain},
+            "oracle_cos_plain_median": 0.5,
+            "oracle_cos_bc_median": 0.5 + gain,
+        }
         for s in (2, 3)
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

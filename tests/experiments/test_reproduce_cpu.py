@@ -23,9 +23,7 @@ def test_every_dp_optimizer_gets_the_same_tuning_budget():
 
 def test_selection_takes_the_lowest_validation_nll_and_skips_diverged_runs():
     summaries = [
-        {"optimizer": opt, "learning_rate": lr, "val_nll": nll}
-        for opt in reproduce.DP_OPTIMIZERS
-        for lr, nll in ((1e-3, 2.0), (3e-3, 1.5), (1e-2, None))
+        {"optimizer": opt, "learning_rate": lr, "val_nll": nll} for opt in reproduce.DP_OPTIMIZERS for lr, nll in ((1e-3, 2.0), (3e-3, 1.5), (1e-2, None))
     ]
     summaries[0]["val_nll"] = float("nan")
     assert reproduce.select_learning_rates(summaries) == dict.fromkeys(reproduce.DP_OPTIMIZERS, 3e-3)

@@ -31,9 +31,19 @@ def test_matches_torch_muon_with_ema_nesterov_quintic_reference_scale():
     ours, theirs = linear_weights(), linear_weights()
     grads = gradient_stream(ours, steps=6)
     run(
-        Muon(ours, lr=0.02, momentum=0.95, momentum_kind="ema", nesterov=True, ns_coefficients="quintic",
-             update_scale="reference", weight_decay=0.1, ns_dtype=torch.bfloat16),
-        ours, grads,
+        Muon(
+            ours,
+            lr=0.02,
+            momentum=0.95,
+            momentum_kind="ema",
+            nesterov=True,
+            ns_coefficients="quintic",
+            update_scale="reference",
+            weight_decay=0.1,
+            ns_dtype=torch.bfloat16,
+        ),
+        ours,
+        grads,
     )
     run(torch.optim.Muon(theirs, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adjust_lr_fn="original"), theirs, grads)
     for a, b in zip(ours, theirs):
@@ -110,8 +120,7 @@ def test_low_snr_estimates_average_to_the_true_snr():
 
 def _one_step(bias_correction: bool, noise_std: float, min_snr=None, seed=3):
     p = torch.nn.Parameter(torch.zeros(16, 24))
-    opt = Muon([p], lr=0.1, bias_correction=bias_correction, min_snr=min_snr, release_noise_std={p: noise_std},
-               generator=torch.Generator().manual_seed(7))
+    opt = Muon([p], lr=0.1, bias_correction=bias_correction, min_snr=min_snr, release_noise_std={p: noise_std}, generator=torch.Generator().manual_seed(7))
     p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
     opt.step()
     return p.detach().clone(), opt.snr[p]

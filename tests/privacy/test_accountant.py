@@ -17,9 +17,7 @@ DART_Q = 1024 / 62659
 
 
 def independent_epsilon(sigma: float, q: float, steps: int, delta: float, accountant: str) -> float:
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
-    )
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
     if accountant == "prv":  # PRV and PLD are both numerically tight: they must agree
         ledger = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
     else:
@@ -94,7 +92,9 @@ def test_impossible_settings_are_rejected(kwargs, message):
 def test_cli_prints_calibrated_sigma_as_json(accountant):
     out = subprocess.run(
         [sys.executable, "-m", "dpmuon.privacy", "--epsilon", "8", "--delta", "8e-6", "--sample-rate", "0.0243", "--steps", "411", "--accountant", accountant],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     result = json.loads(out.stdout)
     assert result["accountant"] == accountant and result["steps"] == 411

@@ -54,9 +54,7 @@ def test_private_step_with_zero_noise_and_no_clipping_equals_non_private(name, c
     partition = build_partition(
         [n for n, _ in private_model.named_parameters()], clip_mode=clip_mode, clip_norm=1e6, matrix_names=hidden_matrices(private_model)
     )
-    privatizer = Privatizer(
-        private_model, partition, noise_multiplier=0.0, expected_lot_size=6, sample_rate=1.0, accountant=PrivacyAccountant(1e-5)
-    )
+    privatizer = Privatizer(private_model, partition, noise_multiplier=0.0, expected_lot_size=6, sample_rate=1.0, accountant=PrivacyAccountant(1e-5))
     train(private_model, privatizer, name, batches)
     train(reference_model, NonPrivateRelease(reference_model), NON_PRIVATE_TWIN[name], batches)
     for (n, a), b in zip(private_model.named_parameters(), reference_model.parameters()):

@@ -15,10 +15,7 @@ def exact_log_tail(n: int, q: float, bound: int) -> float:
     """log P(Binomial(n, q) > bound) by summing the pmf's logs (no underflow at any depth)."""
     if bound >= n:
         return -math.inf
-    terms = [
-        math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(q) + (n - k) * math.log1p(-q)
-        for k in range(bound + 1, n + 1)
-    ]
+    terms = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(q) + (n - k) * math.log1p(-q) for k in range(bound + 1, n + 1)]
     return float(np.logaddexp.reduce(terms))
 
 

@@ -109,9 +109,7 @@ def opposing_tied_batch(batch=3, positions=16, vocab=64, dim=32, spread=1e-3, se
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(vocab, generator=g)[:positions] for _ in range(batch)])
     a = torch.randn(batch, positions, dim, generator=g)
-    b_head = torch.zeros(batch, positions, vocab).scatter_(
-        2, ids.unsqueeze(1).expand(-1, positions, -1), torch.randn(batch, positions, positions, generator=g)
-    )
+    b_head = torch.zeros(batch, positions, vocab).scatter_(2, ids.unsqueeze(1).expand(-1, positions, -1), torch.randn(batch, positions, positions, generator=g))
     head_rows = (b_head.double().mT @ a.double()).gather(1, ids.unsqueeze(2).expand(-1, -1, dim))
     b_embed = (spread * torch.randn(batch, positions, dim, generator=g, dtype=torch.float64) - head_rows).float()
     return {"ids": ids, "a": a, "b_head": b_head, "b_embed": b_embed}
@@ -177,8 +175,13 @@ def bf16_loss(model, batch):
 
 def noise_free_release(model, partition, engine, examples, lot, micro_batch_size=4):
     privatizer = Privatizer(
-        model, partition, noise_multiplier=0.0, expected_lot_size=1.0, sample_rate=1.0,
-        accountant=PrivacyAccountant(1e-5), engine=engine,
+        model,
+        partition,
+        noise_multiplier=0.0,
+        expected_lot_size=1.0,
+        sample_rate=1.0,
+        accountant=PrivacyAccountant(1e-5),
+        engine=engine,
     )
     batches = lot_micro_batches(examples, lot, micro_batch_size, PAD, fixed_width=WIDTH, fixed_rows=True)
     stats = privatizer.release(batches, bf16_loss)
@@ -195,9 +198,7 @@ def test_neighbouring_lots_differ_by_at_most_the_sensitivity_under_bf16(engine):
     contributions move here by 5e-3·C_W in sum, and the difference exceeds C_W by 2–3e-4.
     """
     model = tiny_gpt2(tie=True)
-    partition = build_partition(
-        [n for n, _ in model.named_parameters()], clip_mode="per_matrix", clip_norm=1e-3, matrix_names=hidden_matrices(model)
-    )
+    partition = build_partition([n for n, _ in model.named_parameters()], clip_mode="per_matrix", clip_norm=1e-3, matrix_names=hidden_matrices(model))
     examples = random_examples(13, seed=0) + [EncodedExample([5, 6, 7], [IGNORE_INDEX, 6, 7])]
     lot = list(range(13))
     without_x, stats = noise_free_release(model, partition, engine, examples, lot)

@@ -131,7 +131,7 @@ def test_the_bound_from_the_command_line(capsys):
 # --- scripts/tune_private.py with a fake trainer ----------------------------------------------
 
 FAKE_SIGMA, FAKE_Q, FAKE_STEPS, FAKE_DELTA = 1.0, 0.01, 20, 1e-5
-FAKE_TRAINER = f'''
+FAKE_TRAINER = f"""
 import json, math, sys
 from pathlib import Path
 args = dict(arg.split("=", 1) for arg in sys.argv[1:])
@@ -146,7 +146,7 @@ lines = [header] + [{{"kind": "release", "step": s, "noise_multiplier": sigma, "
 (run / "privacy_ledger.jsonl").write_text("".join(json.dumps(line) + "\\n" for line in lines))
 val_nll = None if args.get("fake.diverge") == "yes" else 1 + (math.log10(lr) + 2) ** 2
 (run / "summary.json").write_text(json.dumps({{"val_nll": val_nll, "argv": sys.argv[1:]}}))
-'''
+"""
 
 
 @pytest.fixture

@@ -75,8 +75,13 @@ def test_filler_rows_release_and_count_nothing(engine):
         model = tiny_gpt2(tie=True)
         partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.05, matrix_names=hidden_matrices(model))
         privatizer = Privatizer(
-            model, partition, noise_multiplier=0.0, expected_lot_size=7.0, sample_rate=1.0,
-            accountant=PrivacyAccountant(1e-5), engine=engine,
+            model,
+            partition,
+            noise_multiplier=0.0,
+            expected_lot_size=7.0,
+            sample_rate=1.0,
+            accountant=PrivacyAccountant(1e-5),
+            engine=engine,
         )
         batches = lot_micro_batches(EXAMPLES, lot, 3, PAD, fixed_width=16 if fixed else None, fixed_rows=fixed)
         stats = privatizer.release(batches, per_example_lm_loss)

@@ -52,6 +52,7 @@ def run_with_lots(tmp_path, monkeypatch, capsys, name: str, sizes: list[int]):
     calls, batches = [], []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     monkeypatch.setattr(loop, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots(sizes, max_lot_size))
+
     def spy(self, batch, loss_fn):
         batches.append({k: tuple(v.shape) for k, v in batch.items()} | {"examples": int(batch[EXAMPLE_MASK].sum())})
         return CLIPPED_SUM(self, batch, loss_fn)
@@ -103,6 +104,7 @@ def test_two_lot_patterns_emit_the_same_files_times_rows_and_micro_batches(tmp_p
     assert [set(row) for row in rows(steady)] == [set(row) for row in rows(swinging)]
     s1, s2 = steady.summary, swinging.summary
     assert set(s1) == set(s2) and {k for k in s1 if s1[k] != s2[k]} <= RELEASE_DERIVED
+
     def logged(r):  # each W&B row, the images named relative to their run folder
         return [(c[1], {k: str(v).replace(str(r.dir), "RUN") for k, v in public(c[2]).items()}) for c in r.calls if c[0] == "log"]
 

@@ -21,8 +21,22 @@ TINY = [
     "privacy.noise_multiplier=1.0",  # calibration (seconds of PRV) is exercised once, below
 ]  # fmt: skip
 SUMMARY_KEYS = {
-    "dataset", "optimizer", "model", "seed", "target_epsilon", "epsilon", "delta", "noise_multiplier",
-    "sample_rate", "steps", "accountant", "clip_mode", "test_nll", "bleu", "rouge_l", "max_lot_size",
+    "dataset",
+    "optimizer",
+    "model",
+    "seed",
+    "target_epsilon",
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "sample_rate",
+    "steps",
+    "accountant",
+    "clip_mode",
+    "test_nll",
+    "bleu",
+    "rouge_l",
+    "max_lot_size",
 }  # fmt: skip  (train_seconds only with diagnostics published: it times the lots)
 
 

@@ -42,9 +42,7 @@ def _check_counts(canaries: int, guesses: int, correct: int) -> None:
         raise ValueError(f"need 0 ≤ correct ≤ guesses ≤ canaries, got {correct}, {guesses}, {canaries}")
 
 
-def one_run_epsilon_lower_bound(
-    canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95, tolerance: float = 1e-6
-) -> float:
+def one_run_epsilon_lower_bound(canaries: int, guesses: int, correct: int, delta: float, confidence: float = 0.95, tolerance: float = 1e-6) -> float:
     """An ε the observation refutes at level 1 − confidence: the run is not (ε, δ)-DP.
 
     Bisection keeps p(lo) < β ≤ p(hi) and returns lo. Reporting any ℓ with p(ℓ) < β is valid
@@ -121,9 +119,7 @@ def per_test_confidence(confidence: float, tests: int) -> float:
     return 1 - (1 - confidence) / tests
 
 
-def one_run_audit(
-    scores: np.ndarray, included: np.ndarray, delta: float, confidence: float, fractions: tuple[float, ...], tails: str = "both"
-) -> OneRunBound:
+def one_run_audit(scores: np.ndarray, included: np.ndarray, delta: float, confidence: float, fractions: tuple[float, ...], tails: str = "both") -> OneRunBound:
     """Guess at every pre-declared count, bound each at level β/K, report the largest.
 
     The maximum over K bounds is valid at level β by the union bound; a plain maximum over

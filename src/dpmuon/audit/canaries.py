@@ -194,10 +194,7 @@ class DiracCanaries:
 
     def canary_projections(self, claimed: BlockPartition, expected_lot_size: float) -> tuple[np.ndarray, np.ndarray]:
         # c_j is −C_W at row j of table W, so ‖c_j‖ = Δ and ⟨x, c_j⟩ = −Σ_W C_W x_W[j].
-        along = sum(
-            block.threshold * table.weight.grad[: self.canaries, 0].double()
-            for block, table in zip(claimed.blocks, self.model.tables)
-        )
+        along = sum(block.threshold * table.weight.grad[: self.canaries, 0].double() for block, table in zip(claimed.blocks, self.model.tables))
         sensitivity = claimed.sensitivity
         projection = (-expected_lot_size / sensitivity**2 * along).numpy()
         return projection, np.full(self.canaries, sensitivity)
@@ -233,8 +230,12 @@ class DiracBlocks(nn.Module):
         r, c = slots // self.side, slots % self.side
         matrix = r * self.side + c
         return {
-            "embedding.weight": slots, "hidden.weight": matrix, "norm.weight": slots, "norm.bias": slots,
-            "rms_norm.weight": slots, "lm_head.weight": matrix,
+            "embedding.weight": slots,
+            "hidden.weight": matrix,
+            "norm.weight": slots,
+            "norm.bias": slots,
+            "rms_norm.weight": slots,
+            "lm_head.weight": matrix,
         }
 
     def forward(self, slot: torch.Tensor) -> torch.Tensor:
@@ -280,11 +281,7 @@ class BlockCanaries:
     def canary_projections(self, claimed: BlockPartition, expected_lot_size: float) -> tuple[np.ndarray, np.ndarray]:
         # c_j = −C_W at j's coordinate of every block W: ‖c_j‖ = Δ, ⟨x, c_j⟩ = −Σ_W C_W x_W[j].
         params = dict(self.model.named_parameters())
-        along = sum(
-            block.threshold * params[name].grad.flatten()[self.canary_coordinates[name]].double()
-            for block in claimed.blocks
-            for name in block.params
-        )
+        along = sum(block.threshold * params[name].grad.flatten()[self.canary_coordinates[name]].double() for block in claimed.blocks for name in block.params)
         projection = (-expected_lot_size / claimed.sensitivity**2 * along).numpy()
         return projection, np.full(self.canaries, claimed.sensitivity)
 
@@ -310,8 +307,17 @@ class GPT2Canaries:
         m = setup.canaries
         self.canaries = m
         config = GPT2Config(
-            vocab_size=m + setup.ordinary_rows, n_positions=2, n_embd=self.width, n_layer=self.layers, n_head=self.heads,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+            vocab_size=m + setup.ordinary_rows,
+            n_positions=2,
+            n_embd=self.width,
+            n_layer=self.layers,
+            n_head=self.heads,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
         )
         with torch.random.fork_rng():  # transformers initializes from the global generator
             torch.manual_seed(int(torch.randint(2**31, (), generator=generator)))
@@ -374,9 +380,7 @@ WORLDS = {"dirac": DiracCanaries, "blocks": BlockCanaries, "gpt2": GPT2Canaries}
 # mechanism's bound ~0.3, noise ÷ √3 (the per-block break with K = 3) ~3.2, noise ÷ 2 ~4.4
 # (ceiling 4.6); one full-batch step (q = 1) reaches only ~2.2–2.6 for noise ÷ 2. The claim ε = 8 needs
 # nearly every canary guessed (f = 0.9, both tails), which only gross breaks allow.
-def _dirac(
-    name: str, canaries: int, sample_rate: float, steps: int, fraction: float, ordinary: int = 1000, epsilon: float = 2.0, **options
-) -> AuditSetup:
+def _dirac(name: str, canaries: int, sample_rate: float, steps: int, fraction: float, ordinary: int = 1000, epsilon: float = 2.0, **options) -> AuditSetup:
     """A Dirac scenario at δ = 1e-5 with L = qN rounded, guessing about `fraction` of the canaries."""
     lot = round(sample_rate * (canaries + ordinary))
     return AuditSetup(name, canaries, ordinary, lot, steps, epsilon, 1e-5, guess_fractions=(fraction,), **options)
@@ -387,7 +391,14 @@ def _dirac(
 # ones for subtle leaks, the large ones let a gross leak refute far up the claimed profile.
 BLOCK_FRACTIONS = (0.003, 0.01, 0.03, 0.1)
 MUTATION_SCENARIO = _dirac(
-    "blocks-fast", 10_000, 0.005, 200, 0.01, model="blocks", blocks=6, micro_batch_size=512,
+    "blocks-fast",
+    10_000,
+    0.005,
+    200,
+    0.01,
+    model="blocks",
+    blocks=6,
+    micro_batch_size=512,
     breaks=("none", "noise_0.8", "noise_0.9", "lots_2q", "per_block_noise", "linear_norms_low", "no_clip"),
 )
 MUTATION_SCENARIO = replace(MUTATION_SCENARIO, guess_fractions=BLOCK_FRACTIONS)
@@ -396,7 +407,11 @@ MODES: dict[str, tuple[AuditSetup, ...]] = {
     "mutations": tuple(replace(MUTATION_SCENARIO, seed=seed) for seed in (0, 1)),
     "quick": (
         replace(
-            MUTATION_SCENARIO, canaries=2000, ordinary=500, expected_lot_size=25, steps=40,
+            MUTATION_SCENARIO,
+            canaries=2000,
+            ordinary=500,
+            expected_lot_size=25,
+            steps=40,
             breaks=("none", "per_block_noise", "linear_norms_low", "lots_2q"),
         ),
         _dirac("dirac-fast", 30_000, 0.005, 200, 0.02, blocks=3),
@@ -406,12 +421,31 @@ MODES: dict[str, tuple[AuditSetup, ...]] = {
         *(_dirac("dirac-fast", 100_000, 0.002, 500, 0.03, blocks=3, seed=seed) for seed in range(5)),
         _dirac("dirac-opacus", 30_000, 0.005, 200, 0.02, blocks=3, engine="opacus", micro_batch_size=512),
         _dirac(
-            "dirac-opacus-eps8", 20_000, 0.5, 30, 0.9, ordinary=500, epsilon=8.0, engine="opacus", tails="both",
-            micro_batch_size=1024, breaks=("none", "tenth_noise", "no_clip"),
+            "dirac-opacus-eps8",
+            20_000,
+            0.5,
+            30,
+            0.9,
+            ordinary=500,
+            epsilon=8.0,
+            engine="opacus",
+            tails="both",
+            micro_batch_size=1024,
+            breaks=("none", "tenth_noise", "no_clip"),
         ),
         AuditSetup(
-            "gpt2-fast", canaries=2000, ordinary=1000, expected_lot_size=30, steps=100, epsilon=2.0, delta=1e-5, model="gpt2",
-            clip_norm=0.01, guess_fractions=(0.2,), micro_batch_size=256, breaks=("none", "tenth_noise", "no_clip"),
+            "gpt2-fast",
+            canaries=2000,
+            ordinary=1000,
+            expected_lot_size=30,
+            steps=100,
+            epsilon=2.0,
+            delta=1e-5,
+            model="gpt2",
+            clip_norm=0.01,
+            guess_fractions=(0.2,),
+            micro_batch_size=256,
+            breaks=("none", "tenth_noise", "no_clip"),
         ),
     ),
 }

@@ -50,18 +50,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=sorted(MODES), default="quick", help="quick: CI-sized; full: more canaries and seeds, opacus, ε = 8, GPT-2")
     parser.add_argument("--scenario", default=None, help="run only the scenario(s) of this name")
     parser.add_argument(
-        "--mutation", "--break", dest="breakage", choices=BREAKS, default=None,
+        "--mutation",
+        "--break",
+        dest="breakage",
+        choices=BREAKS,
+        default=None,
         help="audit only this mechanism (none = the correct one), in the scenarios that audit it; default: each scenario's list",
     )
     parser.add_argument(
-        "--from-json", type=Path, default=None,
+        "--from-json",
+        type=Path,
+        default=None,
         help="run nothing: rewrite --markdown from a saved --json (the committed table regenerates from the committed JSON)",
     )
     parser.add_argument("--seed-offset", type=int, default=0, help="shift every scenario's seed: fresh canaries, lots and noise")
     parser.add_argument("--confidence", type=float, default=0.95)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (default 1: the audit's tensors are small, extra threads mostly contend)"
-    )
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the audit's tensors are small, extra threads mostly contend)")
     parser.add_argument("--json", type=Path, default=None, help="write every scenario's setup and results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the results table here")
     return parser.parse_args(argv)
@@ -116,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             table = markdown_report(json.loads(args.from_json.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as err:
             return usage_error(
-                f"--from-json {args.from_json}: not a readable audit summary of this version ({type(err).__name__}: {err}); "
-                "write one with --json"
+                f"--from-json {args.from_json}: not a readable audit summary of this version ({type(err).__name__}: {err}); write one with --json"
             )
         args.markdown.write_text(table)
         return 0

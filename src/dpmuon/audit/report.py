@@ -30,8 +30,24 @@ def describe(setup: AuditSetup) -> str:
 
 
 TABLE_HEADER = (
-    "scenario", "seed", "mechanism", "engine", "claimed ε", "true ε", "σ", "ε lb (ε,δ)", "correct/guesses", "ceiling",
-    "μ̂ (GDP lb)", "ε of μ̂", "μ claim", "claim p", "verdict", "noise std ratio (p)", "lot-rate p", "seconds",
+    "scenario",
+    "seed",
+    "mechanism",
+    "engine",
+    "claimed ε",
+    "true ε",
+    "σ",
+    "ε lb (ε,δ)",
+    "correct/guesses",
+    "ceiling",
+    "μ̂ (GDP lb)",
+    "ε of μ̂",
+    "μ claim",
+    "claim p",
+    "verdict",
+    "noise std ratio (p)",
+    "lot-rate p",
+    "seconds",
 )
 
 

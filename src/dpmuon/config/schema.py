@@ -324,7 +324,8 @@ OPTIONS: tuple[Option, ...] = (
     Int("eval.batch_size", "evaluation batch (NLL uses 4×)", ge=1),
     # ---- logging
     Choice(
-        "logging.nonprivate_diagnostics", (False, "file", "publish", True),
+        "logging.nonprivate_diagnostics",
+        (False, "file", "publish", True),
         "train loss, lot size, clip fractions, timings (not covered): file (owner-only diagnostics.jsonl) | publish (metrics, W&B too; true)",
     ),  # fmt: skip
     Bool("logging.oracle_alignment", "Muon: log true SNR and F(M)/F_BC(M) alignment with the noise-free buffer (not covered)"),

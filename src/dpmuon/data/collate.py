@@ -10,10 +10,7 @@ from dpmuon.data.encoding import IGNORE_INDEX, EncodedExample
 
 
 def _padded(rows: Sequence[list[int]], width: int, fill: int, left: bool) -> torch.Tensor:
-    padded = [
-        [fill] * (width - len(row)) + row if left else row + [fill] * (width - len(row))
-        for row in rows
-    ]
+    padded = [[fill] * (width - len(row)) + row if left else row + [fill] * (width - len(row)) for row in rows]
     return torch.tensor(padded, dtype=torch.long).reshape(len(rows), width)
 
 

@@ -36,13 +36,9 @@ def read_dart_json(path: str | PathLike[str]) -> list[Example]:
     try:
         items = json.loads(text)
     except json.JSONDecodeError as error:
-        raise DataError.in_file(
-            path, f"invalid JSON at column {error.colno}: {error.msg}", line=error.lineno
-        ) from error
+        raise DataError.in_file(path, f"invalid JSON at column {error.colno}: {error.msg}", line=error.lineno) from error
     if not isinstance(items, list):
-        raise DataError.in_file(
-            path, f"expected a JSON list of items at the top level, found a {type(items).__name__}"
-        )
+        raise DataError.in_file(path, f"expected a JSON list of items at the top level, found a {type(items).__name__}")
     examples: list[Example] = []
     for index, item in enumerate(items):
         examples.extend(_examples_from_item(path, index, item))
@@ -56,38 +52,21 @@ def _examples_from_item(path: Path, index: int, item: Any) -> list[Example]:
         return DataError.in_file(path, f"item {index} (counting from 0): {problem}")
 
     if not isinstance(item, dict):
-        raise item_error(
-            f"expected an object with `tripleset` and `annotations`, found {item!r:.80}"
-        )
+        raise item_error(f"expected an object with `tripleset` and `annotations`, found {item!r:.80}")
     tripleset = item.get("tripleset")
     if not isinstance(tripleset, list) or not tripleset:
-        raise item_error(
-            f"expected `tripleset` to be a non-empty list of triples, found {tripleset!r:.80}"
-        )
+        raise item_error(f"expected `tripleset` to be a non-empty list of triples, found {tripleset!r:.80}")
     for position, triple in enumerate(tripleset):
-        if not (
-            isinstance(triple, list)
-            and len(triple) == 3
-            and all(isinstance(v, str) for v in triple)
-        ):
-            raise item_error(
-                f"triple {position} is {triple!r:.80}; expected a list of 3 strings "
-                "[subject, relation, object]"
-            )
+        if not (isinstance(triple, list) and len(triple) == 3 and all(isinstance(v, str) for v in triple)):
+            raise item_error(f"triple {position} is {triple!r:.80}; expected a list of 3 strings [subject, relation, object]")
     annotations = item.get("annotations")
     if not isinstance(annotations, list) or not annotations:
-        raise item_error(
-            f'expected `annotations` to be a non-empty list of {{"text": ...}} objects, '
-            f"found {annotations!r:.80}"
-        )
+        raise item_error(f'expected `annotations` to be a non-empty list of {{"text": ...}} objects, found {annotations!r:.80}')
     source = linearize_tripleset(tripleset)
     examples = []
     for position, annotation in enumerate(annotations):
         if not (isinstance(annotation, dict) and isinstance(annotation.get("text"), str)):
-            raise item_error(
-                f"annotation {position} is {annotation!r:.80}; "
-                "expected an object with a string `text`"
-            )
+            raise item_error(f"annotation {position} is {annotation!r:.80}; expected an object with a string `text`")
         origin = annotation.get("source", "")
         examples.append(Example(source=source, target=annotation["text"].strip(), origin=origin if isinstance(origin, str) else ""))
     return examples

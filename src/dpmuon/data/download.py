@@ -21,18 +21,9 @@ from tqdm import tqdm
 
 from dpmuon.data.layout import DATASETS, default_data_root
 
-_E2E_RELEASE = (
-    "https://raw.githubusercontent.com/tuetschek/e2e-dataset/"
-    "ab0d967dd5729ce455ef14ba9ffafc456a335264"
-)
-_PREFIX_TUNING = (
-    "https://raw.githubusercontent.com/XiangLi1999/PrefixTuning/"
-    "6519d30e69b15a180f23e2cd41b766d3f62b8e82/data/e2e_data"
-)
-_DART_RELEASE = (
-    "https://raw.githubusercontent.com/Yale-LILY/dart/"
-    "bb644b12ec1d0264f96a31145534b9a94f6ff5f5/data/v1.1.1"
-)
+_E2E_RELEASE = "https://raw.githubusercontent.com/tuetschek/e2e-dataset/ab0d967dd5729ce455ef14ba9ffafc456a335264"
+_PREFIX_TUNING = "https://raw.githubusercontent.com/XiangLi1999/PrefixTuning/6519d30e69b15a180f23e2cd41b766d3f62b8e82/data/e2e_data"
+_DART_RELEASE = "https://raw.githubusercontent.com/Yale-LILY/dart/bb644b12ec1d0264f96a31145534b9a94f6ff5f5/data/v1.1.1"
 _TIMEOUT_SECONDS = 60
 _CHUNK_BYTES = 1 << 16
 
@@ -47,23 +38,10 @@ class RemoteFile:
 
 REMOTE_FILES: dict[str, tuple[RemoteFile, ...]] = {
     "e2e": (
-        *(
-            RemoteFile(f"{_E2E_RELEASE}/{name}", name)
-            for name in ("trainset.csv", "devset.csv", "testset_w_refs.csv")
-        ),
-        *(
-            RemoteFile(
-                f"{_PREFIX_TUNING}/src1_{split}.txt", f"prefix_tuning_format/src1_{split}.txt"
-            )
-            for split in ("train", "valid", "test")
-        ),
+        *(RemoteFile(f"{_E2E_RELEASE}/{name}", name) for name in ("trainset.csv", "devset.csv", "testset_w_refs.csv")),
+        *(RemoteFile(f"{_PREFIX_TUNING}/src1_{split}.txt", f"prefix_tuning_format/src1_{split}.txt") for split in ("train", "valid", "test")),
     ),
-    "dart": tuple(
-        RemoteFile(
-            f"{_DART_RELEASE}/dart-v1.1.1-full-{split}.json", f"dart-v1.1.1-full-{split}.json"
-        )
-        for split in ("train", "dev", "test")
-    ),
+    "dart": tuple(RemoteFile(f"{_DART_RELEASE}/dart-v1.1.1-full-{split}.json", f"dart-v1.1.1-full-{split}.json") for split in ("train", "dev", "test")),
 }
 
 
@@ -74,9 +52,7 @@ class SetupError(RuntimeError):
 def download_file(url: str, destination: Path) -> None:
     """Download `url` to `destination` with a progress bar, atomically."""
     destination.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary_name = tempfile.mkstemp(
-        dir=destination.parent, prefix=f".{destination.name}.", suffix=".part"
-    )
+    handle, temporary_name = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".part")
     temporary = Path(temporary_name)
     try:
         with (
@@ -98,9 +74,7 @@ def download_file(url: str, destination: Path) -> None:
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", None) or error
         raise SetupError(
-            f"could not download {url}: {reason}\n"
-            "Check the internet connection, or use a local copy: "
-            "python scripts/download_data.py --link DIR"
+            f"could not download {url}: {reason}\nCheck the internet connection, or use a local copy: python scripts/download_data.py --link DIR"
         ) from error
     finally:
         temporary.unlink(missing_ok=True)
@@ -111,10 +85,7 @@ def download_dataset(dataset: str, root: Path, force: bool) -> None:
     dataset_dir = root / dataset
     if dataset_dir.is_symlink():
         # Writing through the link would modify the linked local copy.
-        print(
-            f"{dataset_dir} links to a local copy ({os.readlink(dataset_dir)}); "
-            f"not downloading {dataset}."
-        )
+        print(f"{dataset_dir} links to a local copy ({os.readlink(dataset_dir)}); not downloading {dataset}.")
         return
     for remote in REMOTE_FILES[dataset]:
         destination = dataset_dir / remote.relative_path
@@ -128,10 +99,7 @@ def link_dataset(dataset: str, local_copy: Path, root: Path) -> None:
     """Make `<root>/<dataset>` a symlink to `<local_copy>/<dataset>`."""
     source = (local_copy / dataset).resolve()
     if not source.is_dir():
-        raise SetupError(
-            f"{local_copy / dataset} is not a directory; "
-            f"expected a local copy laid out as DIR/{dataset}/..."
-        )
+        raise SetupError(f"{local_copy / dataset} is not a directory; expected a local copy laid out as DIR/{dataset}/...")
     link = root / dataset
     if link.resolve() == source:
         print(f"{link} already is {source}.")
@@ -139,9 +107,7 @@ def link_dataset(dataset: str, local_copy: Path, root: Path) -> None:
     if link.is_dir() and not link.is_symlink() and not any(link.iterdir()):
         link.rmdir()  # an empty folder, e.g. left by a failed download, holds nothing to keep
     if link.exists() and not link.is_symlink():
-        raise SetupError(
-            f"{link} exists and is not a symlink; move it away or choose another --root"
-        )
+        raise SetupError(f"{link} exists and is not a symlink; move it away or choose another --root")
     root.mkdir(parents=True, exist_ok=True)
     # Building the new link beside the old one and renaming it over replaces it atomically.
     temporary = root / f".{dataset}.link"
@@ -153,9 +119,7 @@ def link_dataset(dataset: str, local_copy: Path, root: Path) -> None:
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line (`argv` None: sys.argv)."""
-    parser = argparse.ArgumentParser(
-        description="Fetch the raw E2E and DART files (or link a local copy) into the data root."
-    )
+    parser = argparse.ArgumentParser(description="Fetch the raw E2E and DART files (or link a local copy) into the data root.")
     parser.add_argument(
         "--root",
         type=Path,

@@ -56,10 +56,7 @@ def linearize_meaning_representation(mr: str) -> str:
             )
         attribute, value = match.group(1), match.group(2).strip()
         if attribute not in LINEARIZED_ATTRIBUTE_NAMES:
-            raise ValueError(
-                f"unknown attribute {attribute!r} in meaning representation {mr!r}; "
-                f"expected one of {', '.join(LINEARIZED_ATTRIBUTE_NAMES)}"
-            )
+            raise ValueError(f"unknown attribute {attribute!r} in meaning representation {mr!r}; expected one of {', '.join(LINEARIZED_ATTRIBUTE_NAMES)}")
         if not value:
             raise ValueError(f"attribute {attribute!r} has an empty value in {mr!r}")
         pairs.append(f"{LINEARIZED_ATTRIBUTE_NAMES[attribute]} : {value}")
@@ -68,8 +65,7 @@ def linearize_meaning_representation(mr: str) -> str:
             return " | ".join(pairs)
         if mr[position] != ",":
             raise ValueError(
-                f"malformed meaning representation {mr!r} at character {position + 1}: "
-                f"expected a comma between attribute[value] pairs, like {_MR_EXAMPLE!r}"
+                f"malformed meaning representation {mr!r} at character {position + 1}: expected a comma between attribute[value] pairs, like {_MR_EXAMPLE!r}"
             )
         position += 1
 
@@ -95,9 +91,7 @@ def read_e2e_csv(path: str | PathLike[str]) -> list[Example]:
                 if row:  # the csv module yields [] for blank lines, which carry no example
                     examples.append(_example_from_csv_row(path, line, row))
         except csv.Error as error:
-            raise DataError.in_file(
-                path, f"malformed CSV ({error})", line=reader.line_num
-            ) from error
+            raise DataError.in_file(path, f"malformed CSV ({error})", line=reader.line_num) from error
     if not examples:
         raise DataError.in_file(path, "no data rows after the header; expected `mr,ref` rows")
     return examples
@@ -119,8 +113,7 @@ def _example_from_csv_row(path: Path, line: int, row: list[str]) -> Example:
     if len(row) != len(CSV_COLUMNS):
         raise DataError.in_file(
             path,
-            f"expected {len(CSV_COLUMNS)} columns ({', '.join(CSV_COLUMNS)}), "
-            f"found {len(row)}: {row!r}",
+            f"expected {len(CSV_COLUMNS)} columns ({', '.join(CSV_COLUMNS)}), found {len(row)}: {row!r}",
             line=line,
         )
     mr, reference = row

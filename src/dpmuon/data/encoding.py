@@ -49,9 +49,7 @@ def encode_training_example(tokenizer: PreTrainedTokenizerBase, example: Example
     return _assemble(source_ids, target_ids, tokenizer.eos_token_id)
 
 
-def encode_for_training(
-    examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, max_length: int
-) -> tuple[list[EncodedExample], int]:
+def encode_for_training(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, max_length: int) -> tuple[list[EncodedExample], int]:
     """Encode all examples, dropping those longer than `max_length` tokens in total.
 
     Returns the kept examples in input order and the number dropped (for the caller to log).
@@ -62,10 +60,7 @@ def encode_for_training(
     unique_sources = list(dict.fromkeys(example.source for example in examples))
     ids_by_source = dict(zip(unique_sources, _tokenize(tokenizer, unique_sources), strict=True))
     target_ids = _tokenize(tokenizer, [example.target for example in examples])
-    encoded = (
-        _assemble(ids_by_source[example.source], target, tokenizer.eos_token_id)
-        for example, target in zip(examples, target_ids, strict=True)
-    )
+    encoded = (_assemble(ids_by_source[example.source], target, tokenizer.eos_token_id) for example, target in zip(examples, target_ids, strict=True))
     kept = [example for example in encoded if len(example.input_ids) <= max_length]
     return kept, len(examples) - len(kept)
 

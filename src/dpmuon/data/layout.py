@@ -71,30 +71,20 @@ def resolve_format(dataset: str, fmt: str | None) -> str:
     if fmt is None:
         return formats[0]
     if fmt not in formats:
-        raise DataError(
-            f"unknown format {fmt!r} for dataset {dataset!r}; expected one of {', '.join(formats)}"
-        )
+        raise DataError(f"unknown format {fmt!r} for dataset {dataset!r}; expected one of {', '.join(formats)}")
     return fmt
 
 
-def candidate_paths(
-    dataset: str, split: str, root: str | PathLike[str], fmt: str | None = None
-) -> list[Path]:
+def candidate_paths(dataset: str, split: str, root: str | PathLike[str], fmt: str | None = None) -> list[Path]:
     """Every path `locate_split` would accept for this split, in order of preference."""
     fmt = resolve_format(dataset, fmt)
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
     dataset_dir = Path(root) / dataset
-    return [
-        dataset_dir / f"{name}{compression}"
-        for name in _FILE_NAMES[dataset, fmt][split]
-        for compression in ("", ".gz")
-    ]
+    return [dataset_dir / f"{name}{compression}" for name in _FILE_NAMES[dataset, fmt][split] for compression in ("", ".gz")]
 
 
-def locate_split(
-    dataset: str, split: str, root: str | PathLike[str], fmt: str | None = None
-) -> Path:
+def locate_split(dataset: str, split: str, root: str | PathLike[str], fmt: str | None = None) -> Path:
     """Return the file holding `split` of `dataset` under `root` in format `fmt`.
 
     Raises DataError listing the paths tried when none exists.
@@ -107,10 +97,5 @@ def locate_split(
     tried = "\n  ".join(str(path) for path in candidates)
     other_formats = [other for other in FORMATS[dataset] if other != fmt]
     # Not every copy holds every format (the original E2E trainset.csv is often missing).
-    alternative = (
-        f"\nOther formats of {dataset}: {', '.join(other_formats)}." if other_formats else ""
-    )
-    raise DataError(
-        f"no {dataset} {split} file ({fmt} format) under {root}; "
-        f"tried:\n  {tried}\n{FETCH_HINT}{alternative}"
-    )
+    alternative = f"\nOther formats of {dataset}: {', '.join(other_formats)}." if other_formats else ""
+    raise DataError(f"no {dataset} {split} file ({fmt} format) under {root}; tried:\n  {tried}\n{FETCH_HINT}{alternative}")

@@ -30,8 +30,7 @@ def load_tokenizer(name_or_path: str | None = None, bpe_merges: int | None = Non
         tokenizer = AutoTokenizer.from_pretrained(name)
     except OSError as error:
         raise DataError(
-            f"cannot load the tokenizer {name!r} ({error}); without internet access, set "
-            f"${TOKENIZER_VARIABLE} to a local tokenizer directory"
+            f"cannot load the tokenizer {name!r} ({error}); without internet access, set ${TOKENIZER_VARIABLE} to a local tokenizer directory"
         ) from error
     if bpe_merges is not None:
         tokenizer = truncate_bpe(tokenizer, int(bpe_merges))

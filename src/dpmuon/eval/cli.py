@@ -128,9 +128,7 @@ def _write_without_clobbering(write: Callable[[Path], list[Path]], out: Path, fo
         protected = [t for t in changed if _committed(t)]
         if protected and not force:
             shown = ", ".join(map(str, protected[:3])) + (f" and {len(protected) - 3} more" if len(protected) > 3 else "")
-            raise RunFormatError(
-                f"would overwrite committed file(s) {shown}; pass --force to replace them, or --out to write elsewhere"
-            )
+            raise RunFormatError(f"would overwrite committed file(s) {shown}; pass --force to replace them, or --out to write elsewhere")
         for path, target in targets.items():
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(path, target)

@@ -63,10 +63,7 @@ def rouge_l(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> f
     """Mean over items of the best ROUGE-L F-measure against any of the item's references, x100."""
     cleaned = _validated(hypotheses, references)
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=ROUGE_USE_STEMMER)
-    best = [
-        max(scorer.score(reference, hypothesis)["rougeL"].fmeasure for reference in refs)
-        for hypothesis, refs in zip(hypotheses, cleaned)
-    ]
+    best = [max(scorer.score(reference, hypothesis)["rougeL"].fmeasure for reference in refs) for hypothesis, refs in zip(hypotheses, cleaned)]
     return 100.0 * sum(best) / len(best)
 
 

@@ -21,9 +21,25 @@ METRICS_FILE = "metrics.jsonl"
 DIAGNOSTICS_FILE = "diagnostics.jsonl"
 
 REQUIRED_SUMMARY_KEYS = (
-    "dataset", "optimizer", "model", "seed", "target_epsilon", "epsilon", "delta",
-    "noise_multiplier", "sample_rate", "steps", "accountant", "clip_mode", "test_nll", "bleu",
-    "bleu_single_ref", "rouge_l", "metric_implementations", "git_commit", "command",
+    "dataset",
+    "optimizer",
+    "model",
+    "seed",
+    "target_epsilon",
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "sample_rate",
+    "steps",
+    "accountant",
+    "clip_mode",
+    "test_nll",
+    "bleu",
+    "bleu_single_ref",
+    "rouge_l",
+    "metric_implementations",
+    "git_commit",
+    "command",
 )  # fmt: skip  (train_seconds is absent when non-private diagnostics are off: it times the lots)
 TEXT_KEYS = ("dataset", "optimizer", "model")
 OPTIONAL_NUMBER_KEYS = (

@@ -261,7 +261,7 @@ def _scorer_notes(runs: Sequence[Run]) -> list[str]:
             continue
         name = _METRIC_NAMES.get(key, key)
         if len(used) == 1:
-            (implementation, count), = used.items()
+            ((implementation, count),) = used.items()
             lines.append(f"  - {name}: `{implementation}` ({_runs(count)})")
         else:
             variants = "; ".join(f"`{impl}` ({_runs(count)})" for impl, count in sorted(used.items()))

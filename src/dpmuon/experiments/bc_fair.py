@@ -56,8 +56,13 @@ STEP_STD = ("optimizer.bias_correction.noise_std=step",)  # DP-MuonBC only: agai
 
 def overrides(contender: str, lr: float, seed: int, *extra: str) -> tuple[str, ...]:
     return (
-        "experiment=pretrained_tiny_e2e", *CONTENDERS[contender], f"optimizer.lr={lr:.6g}", f"optimizer.adam.lr={lr:.6g}",
-        "privacy.target_epsilon=8", f"seed={seed}", *extra,
+        "experiment=pretrained_tiny_e2e",
+        *CONTENDERS[contender],
+        f"optimizer.lr={lr:.6g}",
+        f"optimizer.adam.lr={lr:.6g}",
+        "privacy.target_epsilon=8",
+        f"seed={seed}",
+        *extra,
     )
 
 

@@ -71,8 +71,14 @@ def run_overrides(optimizer: str, lr: float, epsilon: float, seed: int) -> tuple
     # PRV cannot calibrate ε = 1024 in memory (training/plan.py: PRV_MAX_EPSILON): RDP there.
     accountant = ("privacy.accountant=rdp",) if epsilon > PRV_MAX_EPSILON else ()
     return (
-        "experiment=pretrained_tiny_e2e", f"optimizer={optimizer}", f"optimizer.lr={lr:g}", f"optimizer.adam.lr={lr:g}",
-        f"privacy.target_epsilon={epsilon:g}", *accountant, f"seed={seed}", "logging.oracle_alignment=true",
+        "experiment=pretrained_tiny_e2e",
+        f"optimizer={optimizer}",
+        f"optimizer.lr={lr:g}",
+        f"optimizer.adam.lr={lr:g}",
+        f"privacy.target_epsilon={epsilon:g}",
+        *accountant,
+        f"seed={seed}",
+        "logging.oracle_alignment=true",
     )
 
 
@@ -106,10 +112,22 @@ def jobs(rates: dict[str, float], mechanism_seed) -> list[Job]:
 def pretrained_jobs() -> list[Job]:
     return [
         Job(
-            f"{model}_lot{lot}", "pretrained",
-            (*overrides, "optimizer=dp_muon", f"privacy.noise_multiplier={PAPER_SIGMA}", f"privacy.expected_lot_size={lot}",
-             "trainer.steps=20", "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.checkpoint_every=5",
-             "eval.test=false", "eval.validation=false", "logging.oracle_alignment=true", "seed=0"),
+            f"{model}_lot{lot}",
+            "pretrained",
+            (
+                *overrides,
+                "optimizer=dp_muon",
+                f"privacy.noise_multiplier={PAPER_SIGMA}",
+                f"privacy.expected_lot_size={lot}",
+                "trainer.steps=20",
+                "trainer.micro_batch_size=8",
+                "trainer.eval_every=0",
+                "trainer.checkpoint_every=5",
+                "eval.test=false",
+                "eval.validation=false",
+                "logging.oracle_alignment=true",
+                "seed=0",
+            ),
         )
         for model, overrides in PRETRAINED_MODELS.items()
         for lot in PRETRAINED_LOTS

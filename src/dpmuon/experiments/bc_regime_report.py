@@ -72,9 +72,16 @@ def load_runs(root: Path) -> list[RegimeRun]:
                 f"({USER_SEED!r}): it drew other lots and noise than the runs of seed {match['seed']}; remove it and run it again"
             )
         run = RegimeRun(
-            run_dir.name, run_dir.parent.name, match["opt"], match["variant"], int(match["eps"]),
-            record.learning_rates["lr"], int(match["seed"]),
-            summary.get("test_nll"), summary.get("val_nll"), summary.get("epsilon"),
+            run_dir.name,
+            run_dir.parent.name,
+            match["opt"],
+            match["variant"],
+            int(match["eps"]),
+            record.learning_rates["lr"],
+            int(match["seed"]),
+            summary.get("test_nll"),
+            summary.get("val_nll"),
+            summary.get("epsilon"),
         )
         for row in record.load_metrics(diagnostics=True):  # the oracle's fields: diagnostics.jsonl since it exists
             if "oracle_snr" not in row:
@@ -288,10 +295,15 @@ def load_pretrained(root: Path) -> list[PretrainedRun]:
         if match is None:
             continue
         rows = [r for r in read_run_rows(summary.parent, diagnostics=True) if "oracle_snr" in r]
-        out.append(PretrainedRun(
-            match["model"], int(match["lot"]), [r["oracle_snr_median"] for r in rows], [r.get("snr_median") for r in rows],
-            [statistics.median(r["oracle_cos_bc"][k] - r["oracle_cos_plain"][k] for k in r["oracle_snr"]) for r in rows],
-        ))
+        out.append(
+            PretrainedRun(
+                match["model"],
+                int(match["lot"]),
+                [r["oracle_snr_median"] for r in rows],
+                [r.get("snr_median") for r in rows],
+                [statistics.median(r["oracle_cos_bc"][k] - r["oracle_cos_plain"][k] for k in r["oracle_snr"]) for r in rows],
+            )
+        )
     return out
 
 

@@ -61,8 +61,13 @@ def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
             cmd = [sys.executable, "-m", "dpmuon.train", f"resume={run_dir}"]  # it writes into run_dir itself
         else:
             cmd = [
-                sys.executable, "-m", "dpmuon.train", *job.overrides,
-                f"hydra.run.dir={run_dir}", f"trainer.num_threads={threads}", "logging.progress=false",
+                sys.executable,
+                "-m",
+                "dpmuon.train",
+                *job.overrides,
+                f"hydra.run.dir={run_dir}",
+                f"trainer.num_threads={threads}",
+                "logging.progress=false",
             ]
         start = time.time()
         with open(work / job.stage / f"{job.name}.log", "a") as log:

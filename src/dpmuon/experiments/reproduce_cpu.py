@@ -45,6 +45,8 @@ LR_GRID = {
     "dp_muonbc": (3e-4, 1e-3, 3e-3, 1e-2, 3e-2),
 }
 NON_PRIVATE = ("adam", 1e-3)
+
+
 def lr_overrides(optimizer: str, lr: float) -> list[str]:
     """One knob per optimizer: for DP-Muon(BC) the Adam part (non-matrix tensors) shares it."""
     out = [f"optimizer={optimizer}", f"optimizer.lr={lr:g}"]
@@ -56,7 +58,8 @@ def lr_overrides(optimizer: str, lr: float) -> list[str]:
 def tuning_jobs(dataset: str, steps: int) -> list[Job]:
     return [
         Job(
-            f"{opt}_lr{lr:g}", "tuning",
+            f"{opt}_lr{lr:g}",
+            "tuning",
             (f"experiment=pretrained_tiny_{dataset}", *lr_overrides(opt, lr), f"trainer.steps={steps}", "eval.test=false", "seed=0"),
         )  # fmt: skip
         for opt in DP_OPTIMIZERS
@@ -140,7 +143,6 @@ def publish_public_model(dataset: str, results: Path) -> None:
     publish(public_run, record)
     (record / "weights_sha256.txt").write_text(fingerprint + "\n")
     print(f"[{dataset}] public model {fingerprint[:12]}: provenance in {record}", flush=True)
-
 
 
 def write_tuning_table(summaries: list[dict], rates: dict[str, float], path: Path, steps: int) -> None:

@@ -238,4 +238,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chosen: {chosen.hyperparameters} (val_nll {chosen.val_nll:.4f}), {chosen.run_dir}; "
           f"ε = {privacy['epsilon']:.2f} at δ = {privacy['delta']:g} for the whole tuning; summary: {args.out / SUMMARY}")  # fmt: skip
     return 0
-

@@ -153,11 +153,7 @@ class Muon(torch.optim.Optimizer):
             if group["noise_std"] == "step":
                 noise_std = self._release_std[p]
             self.snr[p] = snr
-            correct = (
-                group["bias_correction"]
-                and noise_std > 0
-                and (group["min_snr"] is None or snr > group["min_snr"])
-            )
+            correct = group["bias_correction"] and noise_std > 0 and (group["min_snr"] is None or snr > group["min_snr"])
             pending[(tuple(p.shape), correct)].append((p, update, noise_std))
 
         ns_kwargs = dict(

@@ -46,10 +46,7 @@ def resolve_coefficients(spec: CoefficientSpec) -> tuple[float, ...]:
             if not order.isdigit():
                 raise ValueError(f"expected 'series:K' with an integer K, got {spec!r}")
             return series_coefficients(int(order))
-        raise ValueError(
-            f"unknown Newton–Schulz coefficients {spec!r}; expected 'quintic', 'series:K' "
-            "or an explicit tuple (a, b, c)"
-        )
+        raise ValueError(f"unknown Newton–Schulz coefficients {spec!r}; expected 'quintic', 'series:K' or an explicit tuple (a, b, c)")
     coefficients = tuple(float(c) for c in spec)
     if not coefficients:
         raise ValueError("Newton–Schulz coefficients must not be empty")

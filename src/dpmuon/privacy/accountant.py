@@ -207,8 +207,5 @@ class PrivacyAccountant:
 
     def load_state_dict(self, state: dict) -> None:
         if state["mechanism"] != self.mechanism or state["delta"] != self.delta:
-            raise ValueError(
-                f"stored accountant ({state['mechanism']}, δ={state['delta']}) does not match "
-                f"this run ({self.mechanism}, δ={self.delta})"
-            )
+            raise ValueError(f"stored accountant ({state['mechanism']}, δ={state['delta']}) does not match this run ({self.mechanism}, δ={self.delta})")
         self.history = [(float(s), float(q), int(n)) for s, q, n in state["history"]]

@@ -92,9 +92,7 @@ class ShuffleLotSampler:
         self._cursor = int(state["cursor"])
 
 
-def build_lot_sampler(
-    kind: str, num_samples: int, expected_lot_size: int, stream: SecretStream, secure: bool = False, max_lot_size: int | None = None
-):
+def build_lot_sampler(kind: str, num_samples: int, expected_lot_size: int, stream: SecretStream, secure: bool = False, max_lot_size: int | None = None):
     if kind == "poisson":
         return PoissonLotSampler(num_samples, expected_lot_size / num_samples, stream, secure, max_lot_size)
     if secure:

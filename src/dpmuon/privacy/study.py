@@ -345,10 +345,7 @@ class StudyGroup:
             return override
         deltas = sorted({run.delta for run in self.private_runs})
         if len(deltas) > 1:
-            raise StudyError(
-                f"the runs on {self.label()} record different δ ({', '.join(map(repr, deltas))}); "
-                "compose them at one δ with --delta"
-            )
+            raise StudyError(f"the runs on {self.label()} record different δ ({', '.join(map(repr, deltas))}); compose them at one δ with --delta")
         return deltas[0] if deltas else None
 
     def sizes(self) -> list[int]:
@@ -424,8 +421,7 @@ def study_report(runs: Sequence[RunRecord], delta: float | None = None) -> dict[
     return {
         "groups": [group.report(delta) for group in groups],
         "warnings": [
-            f"the runs touched {len(groups)} different datasets; each group is composed on its own "
-            "(a person present in several datasets pays each group's ε)"
+            f"the runs touched {len(groups)} different datasets; each group is composed on its own (a person present in several datasets pays each group's ε)"
         ],
     }
 

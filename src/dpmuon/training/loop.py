@@ -244,9 +244,28 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     if plan.private and not constant and diagnostics_mode(cfg) != "publish":
         log("privacy.constant_time=false: step times track the lot sizes, and so do the times W&B, the console and the file times record")
     return Training(
-        cfg, run_dir, device, parallel, autocast_factory(cfg.trainer.precision, device), tokenizer, data, plan, model,
-        initial_weights, randomness, generators, named, ledger, partition, release, optimizer, sampler,
-        scheduler, oracle, min(int(cfg.dataset.max_length), max_length) if fixed_shape else None, MetricsLog(run_dir / "metrics.jsonl"),
+        cfg,
+        run_dir,
+        device,
+        parallel,
+        autocast_factory(cfg.trainer.precision, device),
+        tokenizer,
+        data,
+        plan,
+        model,
+        initial_weights,
+        randomness,
+        generators,
+        named,
+        ledger,
+        partition,
+        release,
+        optimizer,
+        sampler,
+        scheduler,
+        oracle,
+        min(int(cfg.dataset.max_length), max_length) if fixed_shape else None,
+        MetricsLog(run_dir / "metrics.jsonl"),
         diagnostic_rows=MetricsLog(run_dir / DIAGNOSTICS_FILE, secret=True) if own_file else None,
         padded_rows=-(-plan.max_lot_size // parallel.world_size) if constant else None,  # shard() gives rank 0 the most
     )
@@ -403,8 +422,11 @@ def train(t: Training) -> str | None:
     t.model.train()
     with StopRequest() as stop:
         bar = tqdm(
-            range(t.start_step + 1, t.plan.steps + 1), desc="train", disable=not (t.progress and t.parallel.is_main),
-            initial=t.start_step, total=t.plan.steps,
+            range(t.start_step + 1, t.plan.steps + 1),
+            desc="train",
+            disable=not (t.progress and t.parallel.is_main),
+            initial=t.start_step,
+            total=t.plan.steps,
             # Unless diagnostics are published the bar shows no rate or elapsed time (step time tracks
             # the lot), and redraws once per step rather than when enough time has passed.
             bar_format=None if t.publish_diagnostics else "{l_bar}{bar}| {n_fmt}/{total_fmt}",
@@ -486,9 +508,7 @@ def lot_batches(t: Training, lot: list[int]):
     """This rank's share of the lot as device micro-batches."""
     size, pad_id = int(t.cfg.trainer.micro_batch_size), t.tokenizer.pad_token_id
     shard = t.parallel.shard(lot)
-    batches = lot_micro_batches(
-        t.data.train, shard, size, pad_id, fixed_width=t.fixed_width, fixed_rows=t.fixed_width is not None, pad_to=t.padded_rows
-    )
+    batches = lot_micro_batches(t.data.train, shard, size, pad_id, fixed_width=t.fixed_width, fixed_rows=t.fixed_width is not None, pad_to=t.padded_rows)
     for batch in batches:
         yield {k: v.to(t.device) for k, v in batch.items()}
 

@@ -153,6 +153,7 @@ class MetricsLog:
 
 def code_version() -> str:
     """Git commit of the code that runs (suffix -dirty when the tree has changes)."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -174,5 +175,5 @@ def repo_relative(text: str) -> str:
     root = f"{REPO_ROOT}{os.sep}"
     key, sep, value = text.partition("=")
     if sep and value.startswith(root):
-        return f"{key}={value[len(root):]}"
-    return text[len(root):] if text.startswith(root) else text
+        return f"{key}={value[len(root) :]}"
+    return text[len(root) :] if text.startswith(root) else text

@@ -86,9 +86,7 @@ def check_new_run_dir(run_dir: Path, cfg: DictConfig) -> None:
     if not found:
         return
     if "summary.json" in found:
-        raise UserError(
-            f"{run_dir} holds a finished run (summary.json): a new run there would overwrite it; choose another hydra.run.dir"
-        )
+        raise UserError(f"{run_dir} holds a finished run (summary.json): a new run there would overwrite it; choose another hydra.run.dir")
     stored = stored_identity(run_dir)
     if stored is None:
         raise UserError(f"{run_dir} holds a run's files ({shown_keys(found)}) but no stored config that resolves; choose another hydra.run.dir")
@@ -98,9 +96,7 @@ def check_new_run_dir(run_dir: Path, cfg: DictConfig) -> None:
             f"{run_dir} holds an unfinished run of this configuration: continue it with "
             f"`python -m dpmuon.train resume={run_dir}`, or choose another hydra.run.dir"
         )
-    raise UserError(
-        f"{run_dir} holds another run (its configuration differs at {shown_keys(differences)}); choose another hydra.run.dir"
-    )
+    raise UserError(f"{run_dir} holds another run (its configuration differs at {shown_keys(differences)}); choose another hydra.run.dir")
 
 
 def check_resumable(run_dir: Path) -> None:

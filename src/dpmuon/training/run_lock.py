@@ -36,8 +36,7 @@ def lock_run_dir(run_dir: Path) -> bool:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise UserError(
-                f"{run_dir} is in use by another run (PID {holder}, holding {LOCK_FILE}); "
-                "wait for it to end, or choose another hydra.run.dir"
+                f"{run_dir} is in use by another run (PID {holder}, holding {LOCK_FILE}); wait for it to end, or choose another hydra.run.dir"
             ) from None
         # The holder unlinks the file on release: a lock on an unlinked file guards nothing.
         with contextlib.suppress(FileNotFoundError):

@@ -160,8 +160,13 @@ def test_privatizer_release_equals_opacus_without_noise():
     for engine in ("opacus", "fast"):
         model = tiny_gpt2(tie=True)
         privatizer = Privatizer(
-            model, partition_for(model, 0.05), noise_multiplier=0.0, expected_lot_size=6, sample_rate=1.0,
-            accountant=PrivacyAccountant(1e-5), engine=engine,
+            model,
+            partition_for(model, 0.05),
+            noise_multiplier=0.0,
+            expected_lot_size=6,
+            sample_rate=1.0,
+            accountant=PrivacyAccountant(1e-5),
+            engine=engine,
         )
         for lot in lots:
             halves = [{k: v[:2] for k, v in lot.items()}, {k: v[2:] for k, v in lot.items()}]
@@ -183,9 +188,7 @@ def test_module_called_twice_sums_both_calls():
 
     def loss_with_token_types(model, batch):
         mask = batch["attention_mask"]
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_for(mask), token_type_ids=batch["token_type_ids"]
-        ).logits
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_for(mask), token_type_ids=batch["token_type_ids"]).logits
         nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none")
         return nll.sum(1)
 

@@ -26,9 +26,7 @@ def rms_eps(module: nn.Module) -> float | None:
     try:
         return float(module.variance_epsilon)
     except AttributeError:
-        raise ValueError(
-            f"{type(module).__name__} has no `variance_epsilon`: not an HF-style RMSNorm; write a layer rule for it"
-        ) from None
+        raise ValueError(f"{type(module).__name__} has no `variance_epsilon`: not an HF-style RMSNorm; write a layer rule for it") from None
 
 
 def rms_normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -38,4 +36,3 @@ def rms_normalized(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     classes normalize in fp32 whatever the input dtype, as here.
     """
     return F.rms_norm(x.float(), (x.shape[-1],), eps=rms_eps(module))
-

@@ -157,10 +157,7 @@ class FastEngine(PerExampleEngine):
         for module in modules:
             module_calls = calls[module]
             inputs = [call.inputs for call in module_calls]
-            outs = [
-                g if g is not None else torch.zeros(call.shape, dtype=call.dtype, device=losses.device)
-                for call, g in zip(module_calls, grads[position:])
-            ]
+            outs = [g if g is not None else torch.zeros(call.shape, dtype=call.dtype, device=losses.device) for call, g in zip(module_calls, grads[position:])]
             position += len(module_calls)
             for x in inputs + outs:
                 if x.shape[0] != size:

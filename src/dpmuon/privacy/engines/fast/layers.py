@@ -183,10 +183,7 @@ class EmbeddingLayer(InPlaceLayer):
     def __init__(self, module, names, weight_norms="mixed", tied=False):
         super().__init__(module, names, weight_norms, tied)
         if module.scale_grad_by_freq:
-            raise ValueError(
-                "an embedding with scale_grad_by_freq=True has a gradient that depends on the whole batch, "
-                "so it has no per-example decomposition"
-            )
+            raise ValueError("an embedding with scale_grad_by_freq=True has a gradient that depends on the whole batch, so it has no per-example decomposition")
 
     def trace(self, inputs, grads):
         batch = grads[0].shape[0]
