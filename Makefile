@@ -21,8 +21,9 @@ setup: ## Create .venv/ and install dpmuon (editable) with the dev extra
 	$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
 
-lint: ## Static checks: ruff (pyflakes, pycodestyle, import order, pyupgrade, bugbear), configured in pyproject.toml
+lint: ## Static checks: ruff check (pyflakes, pycodestyle, import order, pyupgrade, bugbear) and ruff format --check, configured in pyproject.toml
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 test: ## Run the default test suite (offline, CPU; excludes slow and gpu markers)
 	$(PYTHON) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
