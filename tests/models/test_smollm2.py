@@ -13,12 +13,12 @@ from helpers_train import compose_config, require_real_data
 from reference import assert_close_dicts, naive_reference
 
 from dpmuon.data import load_tokenizer
-from dpmuon.data.encoding import encode_training_example
+from dpmuon.data.encoding import encode_for_training
 from dpmuon.data.records import Example
 from dpmuon.models import IGNORE_INDEX, build_model, hidden_matrices, lm_head_is_tied, per_example_lm_loss
+from dpmuon.paths import REPO_ROOT
 from dpmuon.privacy import build_partition
 from dpmuon.privacy.engines.fast import FastEngine
-from dpmuon.paths import REPO_ROOT
 
 SMOLLM2 = Path(os.environ.get("DPMUON_SMOLLM2", REPO_ROOT / "models" / "smollm2"))
 pytestmark = pytest.mark.skipif(
@@ -45,10 +45,8 @@ def smollm2():
 
 
 def encoded_lot(tokenizer, size: int) -> dict:
-    examples = [
-        encode_training_example(tokenizer, Example(source=f"name : The Eagle {i} | food : French", target=f"The Eagle {i} serves French food."))
-        for i in range(size)
-    ]
+    sentences = [Example(source=f"name : The Eagle {i} | food : French", target=f"The Eagle {i} serves French food.") for i in range(size)]
+    examples, _ = encode_for_training(sentences, tokenizer, max_length=10**6)
     width = max(len(e.input_ids) for e in examples)
     pad = tokenizer.pad_token_id
     return {

@@ -1,5 +1,6 @@
 """What differs between the causal-LM families dpmuon trains: how a random-init model of a given
-size is configured, and which config keys hold its dropout probabilities.
+size is configured; and, read from any model's own config, its dropout probabilities and its
+context length (no table of known families: `dropout_keys`, `config_context_length`).
 
 GPT-2 (Conv1D projections, LayerNorm, learned positions, `*_pdrop`), and the Llama family
 (Llama, Qwen2, SmolLM = Llama: bias-free nn.Linear projections — Qwen2 keeps q/k/v biases —,
@@ -9,8 +10,9 @@ on attention weights).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from transformers import GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config
 
@@ -29,7 +31,7 @@ class Shape:
 
 
 def _gpt2_config(shape: Shape, dropout: float, eos: int, tie: bool) -> PretrainedConfig:
-    return GPT2Config(
+    config = GPT2Config(
         bos_token_id=eos,
         eos_token_id=eos,
         vocab_size=shape.vocab_size,
@@ -38,16 +40,14 @@ def _gpt2_config(shape: Shape, dropout: float, eos: int, tie: bool) -> Pretraine
         n_layer=shape.n_layer,
         n_head=shape.n_head,
         n_inner=shape.intermediate_size,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
         tie_word_embeddings=tie,
     )
+    return with_dropout(config, dropout)
 
 
 def _llama_family_config(config_class: type[PretrainedConfig]) -> Callable[..., PretrainedConfig]:
     def build(shape: Shape, dropout: float, eos: int, tie: bool) -> PretrainedConfig:
-        return config_class(
+        config = config_class(
             bos_token_id=eos,
             eos_token_id=eos,
             vocab_size=shape.vocab_size,
@@ -57,9 +57,9 @@ def _llama_family_config(config_class: type[PretrainedConfig]) -> Callable[..., 
             num_key_value_heads=shape.n_kv_head or shape.n_head,
             intermediate_size=shape.intermediate_size or 4 * shape.n_embd,
             max_position_embeddings=shape.n_positions,
-            attention_dropout=dropout,
             tie_word_embeddings=tie,
         )
+        return with_dropout(config, dropout)
 
     return build
 
@@ -67,19 +67,12 @@ def _llama_family_config(config_class: type[PretrainedConfig]) -> Callable[..., 
 @dataclass(frozen=True)
 class Architecture:
     random_config: Callable[[Shape, float, int, bool], PretrainedConfig]
-    dropout_keys: tuple[str, ...]  # every dropout probability of the family's config
 
 
 ARCHITECTURES: Mapping[str, Architecture] = {
-    "gpt2": Architecture(_gpt2_config, ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
-    "llama": Architecture(_llama_family_config(LlamaConfig), ("attention_dropout",)),
-    "qwen2": Architecture(_llama_family_config(Qwen2Config), ("attention_dropout",)),
-}
-# Pretrained families whose dropout keys are known (their random init is not offered).
-DROPOUT_KEYS: Mapping[str, tuple[str, ...]] = {
-    **{name: arch.dropout_keys for name, arch in ARCHITECTURES.items()},
-    "mistral": ("attention_dropout",),
-    "qwen3": ("attention_dropout",),
+    "gpt2": Architecture(_gpt2_config),
+    "llama": Architecture(_llama_family_config(LlamaConfig)),
+    "qwen2": Architecture(_llama_family_config(Qwen2Config)),
 }
 
 
@@ -89,13 +82,51 @@ def architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def dropout_overrides(model_type: str, dropout: float | None) -> dict[str, float]:
-    """Config overrides that set every dropout probability of a `model_type` to `dropout`."""
+# A dropout probability's key: its last word is `dropout` or `pdrop`, optionally followed by
+# `_prob`, `_p` or `_rate` (attention_dropout, hidden_dropout_prob, attention_probs_dropout_prob,
+# resid_pdrop, dropout_rate, …). Not LayerDrop (`layerdrop`: whole layers skipped for the whole
+# batch, a different regularizer) and not `drop_path_rate` (stochastic depth).
+DROPOUT_KEY = re.compile(r"(?:[a-z0-9]+_)*(?:dropout|pdrop)(?:_(?:prob|p|rate))?")
+
+
+def dropout_keys(config: PretrainedConfig) -> tuple[str, ...]:
+    """The config's dropout probabilities: top-level keys named by `DROPOUT_KEY` whose value is a
+    number (not a bool) in [0, 1]. (A key set to null, e.g. an unused classifier's, is left alone.)"""
+    return tuple(
+        key
+        for key, value in config.to_dict().items()
+        if DROPOUT_KEY.fullmatch(key) and isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+    )
+
+
+def dropout_overrides(config: PretrainedConfig, dropout: float | None) -> dict[str, float]:
+    """Config overrides that set every dropout probability of `config` to `dropout` (None: none)."""
     if dropout is None:
         return {}
-    if model_type not in DROPOUT_KEYS:
+    keys = dropout_keys(config)
+    if not keys and dropout > 0:
         raise ValueError(
-            f"model.dropout={dropout} for a {model_type!r} model, whose dropout keys dpmuon does not know "
-            f"(known: {', '.join(sorted(DROPOUT_KEYS))}); set model.dropout=null to keep the checkpoint's own"
+            f"model.dropout={dropout} for a {config.model_type!r} model whose config has no dropout probability "
+            "(no key ending in dropout / pdrop [_prob|_p|_rate] with a value in [0, 1]); set model.dropout=null or 0"
         )
-    return {key: dropout for key in DROPOUT_KEYS[model_type]}
+    return {key: dropout for key in keys}
+
+
+def with_dropout(config: PretrainedConfig, dropout: float) -> PretrainedConfig:
+    config.update(dropout_overrides(config, dropout))
+    return config
+
+
+# Where configs keep the positions a model attends over, most standard first (GPT-2's
+# `max_position_embeddings` maps to its `n_positions`).
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx", "max_seq_len")
+
+
+def config_context_length(config: PretrainedConfig) -> int:
+    """Positions the model of `config` attends over: the first standard key its (text) config has."""
+    text = config.get_text_config()
+    for key in CONTEXT_LENGTH_KEYS:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    raise ValueError(f"the {config.model_type!r} config names no context length (none of {', '.join(CONTEXT_LENGTH_KEYS)} is a positive integer)")

@@ -1,6 +1,6 @@
 """Model construction: the model a config names (`build_model`, sized to the tokenizer, which
 carries a pad token) — a hub / local checkpoint of any causal LM, or a random-init GPT-2 or
-Llama-family architecture."""
+Llama-family architecture — with LoRA adapters when `model.lora.r` is set."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from .architectures import Shape, architecture, dropout_overrides
+from .architectures import Shape, architecture, config_context_length, dropout_overrides
+from .lora import LoraOptions, add_lora
 
 
 def build_random_lm(
@@ -30,26 +31,10 @@ def build_random_lm(
         return AutoModelForCausalLM.from_config(config)
 
 
-def build_random_gpt2(
-    vocab_size: int,
-    n_layer: int = 2,
-    n_embd: int = 128,
-    n_head: int = 4,
-    n_positions: int = 256,
-    tie_embeddings: bool = True,
-    dropout: float = 0.0,
-    seed: int = 0,
-    eos_token_id: int | None = None,
-) -> GPT2LMHeadModel:
-    """A randomly initialized GPT-2-architecture model (the offline stand-in for pretrained GPT-2)."""
-    shape = Shape(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions)
-    return build_random_lm("gpt2", shape, tie_embeddings, dropout, seed, eos_token_id)
-
-
 def load_pretrained(name_or_path: str, dropout: float | None = None) -> nn.Module:
     """A causal LM from a hub id or a local directory; `dropout` sets the family's own dropout keys."""
-    model_type = AutoConfig.from_pretrained(name_or_path).model_type
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **dropout_overrides(model_type, dropout))
+    config = AutoConfig.from_pretrained(name_or_path)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **dropout_overrides(config, dropout))
 
 
 def untie_lm_head(model: nn.Module) -> None:
@@ -114,15 +99,15 @@ def build_model(cfg: Mapping, tokenizer, seed: int = 0) -> nn.Module:
     # Explicit, whatever the checkpoint says (SmolLM2's tokenizer pads with <|im_end|>, its eos):
     # padding is masked by attention_mask and labels, never recognized by this id.
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model
+    lora = LoraOptions.from_config(cfg)
+    return model if lora is None else add_lora(model, lora, seed=seed)
 
 
 def context_length(cfg: Mapping) -> int:
     """Positions the configured model can attend over (without loading its weights).
 
-    `max_position_embeddings` is the name every family's config answers to (GPT-2's maps it
-    to `n_positions`).
+    A checkpoint's from its config's standard keys (`architectures.config_context_length`).
     """
     if cfg.get("name_or_path"):
-        return int(AutoConfig.from_pretrained(cfg["name_or_path"]).max_position_embeddings)
+        return config_context_length(AutoConfig.from_pretrained(cfg["name_or_path"]))
     return int(cfg["n_positions"])

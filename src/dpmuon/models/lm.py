@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,6 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..data.encoding import IGNORE_INDEX  # labels the loss skips: the data layer marks them
-
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

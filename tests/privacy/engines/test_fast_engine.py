@@ -281,13 +281,13 @@ class Gain(nn.Module):
         return x * self.gain
 
 
-def test_unsupported_trainable_module_is_refused():
+def test_unsupported_trainable_module_is_refused_under_fallback_error():
     model = nn.Sequential(nn.Embedding(VOCAB, 8), Gain(8), nn.Linear(8, 3))
     names = [n for n, _ in model.named_parameters()]
     with pytest.raises(ValueError, match=r"'1\.gain'.*Gain"):
-        FastEngine(model, build_partition(names, clip_mode="flat"))
+        FastEngine(model, build_partition(names, clip_mode="flat"), fallback="error")
     model[1].gain.requires_grad_(False)  # frozen, it is no concern of the privatizer
-    FastEngine(model, build_partition([n for n, p in model.named_parameters() if p.requires_grad], clip_mode="flat"))
+    FastEngine(model, build_partition([n for n, p in model.named_parameters() if p.requires_grad], clip_mode="flat"), fallback="error")
 
 
 def test_unsupported_sharing_and_embedding_options_are_refused():

@@ -46,6 +46,10 @@ def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 class PerExampleEngine(ABC):
+    # One line for the run log naming the modules whose per-example gradients are formed by the
+    # engine's fallback (privacy.engine_fallback=generic) and their share of the parameters; None: none.
+    fallback_summary: str | None = None
+
     def __init__(self, model: nn.Module, partition: BlockPartition, constant_time: bool = False):
         self.model = model
         self.partition = partition
@@ -82,7 +86,9 @@ def register_engine(name: str):
     return decorator
 
 
-def build_engine(name: str, model: nn.Module, partition: BlockPartition, constant_time: bool = False) -> PerExampleEngine:
+def build_engine(name: str, model: nn.Module, partition: BlockPartition, constant_time: bool = False, fallback: str = "generic") -> PerExampleEngine:
+    """fallback (privacy.engine_fallback): for a trainable module no rule of the engine knows,
+    "generic" forms its per-example gradients by torch.func; "error" refuses the model."""
     if name not in ENGINES:
         raise ValueError(f"unknown per-example gradient engine {name!r}; valid: {', '.join(sorted(ENGINES))}")
-    return ENGINES[name](model, partition, constant_time=constant_time)
+    return ENGINES[name](model, partition, constant_time=constant_time, fallback=fallback)

@@ -22,6 +22,12 @@ table-to-text lot, which the non-private backward multiplies anyway.
 A token embedding tied to the LM head gets one gradient that sums both uses; its norm needs
 the cross term between the two parts (see `kernels.tied_cross_term`).
 
+A trainable module no rule knows takes the generic rule (`generic`, `privacy.engine_fallback=
+generic`, the default): its per-example gradients formed by torch.func from what it saw — exact,
+at the cost of those gradients — or, under `engine_fallback=error`, stops the engine naming it.
+On its first micro-batch the engine checks that the rules' Σ_i g_i equals autograd's batch
+gradient: a parameter used outside its module's calls, which no hook sees, is refused.
+
 Precision: a norm that comes out low lets a clipped contribution exceed C_W. Formulas that
 cancel run in float64 (inputs and output gradients convert exactly). The ghost form adds up T²
 products as large as ‖a_s‖‖a_t‖‖b_s‖‖b_t‖, however small the gradient itself is: its relative
@@ -34,10 +40,12 @@ LayerNorm and bias norms stay fp32 (rounding linear in R, like the fp32 book-kee
 relative 3e-5 at R ≈ 6000 — the floor Opacus' materialized fp32 per-example gradients have).
 
 Layout: `kernels` (norm and book-keeping tensor kernels), `layers` (the layer rules and their
-registry, keyed by exact module type: `register_layer`), `engine` (hooks, backward, clipping).
+registry, keyed by exact module type: `register_layer`), `generic` (the fallback rule), `engine`
+(hooks, backward, clipping).
 """
 
-from .engine import FastEngine, TiedHead
+from .engine import FALLBACKS, FastEngine, TiedHead
+from .generic import GenericLayer, PerExampleGradients
 from .kernels import WEIGHT_NORM_RULES, WeightNormRule, direct_weight_norms, ghost_weight_norms, prefers_ghost, weighted_outer_sum
 from .layers import (
     LAYER_RULES,
@@ -46,22 +54,29 @@ from .layers import (
     Layer,
     LayerNormLayer,
     NormLayer,
+    OffsetEmbeddingLayer,
     RMSNormLayer,
+    ScaledEmbeddingLayer,
     Trace,
     register_layer,
     rule_for,
 )
 
 __all__ = [
+    "FALLBACKS",
     "LAYER_RULES",
     "WEIGHT_NORM_RULES",
     "AffineLayer",
     "EmbeddingLayer",
     "FastEngine",
+    "GenericLayer",
     "Layer",
     "LayerNormLayer",
     "NormLayer",
+    "OffsetEmbeddingLayer",
+    "PerExampleGradients",
     "RMSNormLayer",
+    "ScaledEmbeddingLayer",
     "TiedHead",
     "Trace",
     "WeightNormRule",

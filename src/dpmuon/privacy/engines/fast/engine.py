@@ -17,18 +17,29 @@ from torch.profiler import record_function
 from ...blocks import BlockPartition
 from ...clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
 from ..base import PerExampleEngine, PerExampleLoss, example_rows, full_precision, register_engine
+from .generic import GenericLayer, PerExampleGradients
 from .kernels import WEIGHT_NORM_RULES, WeightNormRule, tied_cross_term
-from .layers import LAYER_RULES, AffineLayer, EmbeddingLayer, Layer, Trace, rule_for
+from .layers import EXAMPLE_MAJOR_FLATTENING, LAYER_RULES, AffineLayer, EmbeddingLayer, Layer, Trace, rule_for
+
+# privacy.engine_fallback: what a trainable module without a layer rule gets.
+FALLBACKS: tuple[str, ...] = ("generic", "error")
+
+
+@dataclass
+class Output:
+    """One differentiable output of a hooked module's call."""
+
+    edge: GradientEdge  # where autograd delivers its gradient
+    shape: torch.Size  # for a zero gradient when the output went unused
+    dtype: torch.dtype
 
 
 @dataclass
 class Call:
     """One forward call of a hooked module."""
 
-    inputs: torch.Tensor  # detached
-    output: GradientEdge  # where autograd delivers the gradient of the module's output
-    shape: torch.Size  # the output's, for a zero gradient when the output went unused
-    dtype: torch.dtype
+    inputs: Any  # what its rule records (`Layer.record`), detached
+    outputs: list[Output]
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,7 @@ def unsupported_module_error(name: str, module_name: str, module: nn.Module) -> 
         f"which has no layer rule in the fast engine (rules: {known}). Register one with "
         f"`dpmuon.privacy.engines.fast.register_layer({kind.__name__})` on a `fast.Layer` subclass "
         "(for an HF-style RMSNorm: `dpmuon.privacy.engines.register_rms_norm(cls)`), freeze the "
-        "parameter, or use privacy.engine=opacus"
+        "parameter, or set privacy.engine_fallback=generic (per-example gradients of that module by torch.func)"
     )
 
 
@@ -62,29 +73,53 @@ class FastEngine(PerExampleEngine):
     cost what real rows cost.
     """
 
-    def __init__(self, model: nn.Module, partition: BlockPartition, weight_norms: WeightNormRule = "mixed", constant_time: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        partition: BlockPartition,
+        weight_norms: WeightNormRule = "mixed",
+        constant_time: bool = False,
+        fallback: str = "generic",
+    ):
         super().__init__(model, partition, constant_time)
         if weight_norms not in WEIGHT_NORM_RULES:
             raise ValueError(f"unknown weight norm rule {weight_norms!r}; valid: {', '.join(WEIGHT_NORM_RULES)}")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"unknown privacy.engine_fallback {fallback!r}; valid: {', '.join(FALLBACKS)}")
         owners, module_names = self._trainable_owners(model)
+        generic = self._generic_modules(owners, module_names, fallback)
         self.tied: list[TiedHead] = []
         names_by_module: dict[nn.Module, dict[str, str]] = defaultdict(dict)
         for name, uses in owners.items():
             for module, attribute in uses:
                 names_by_module[module][attribute] = name
-            if len(uses) > 1:
+            if len(uses) > 1 and uses[0][0] not in generic:
                 self.tied.append(self._tied_head(name, [m for m, _ in uses]))
         shared = {m for tie in self.tied for m in (tie.head, tie.embedding)}
         self.layers: dict[nn.Module, Layer] = {}
         for module, names in names_by_module.items():
+            rule = GenericLayer if module in generic else rule_for(module)
             try:
-                self.layers[module] = rule_for(module)(module, names, weight_norms, tied=module in shared)
+                self.layers[module] = rule(module, names, weight_norms, tied=module in shared)
             except ValueError as err:
                 raise ValueError(f"module {module_names[module]!r}: {err}") from err
+        # Modules whose tensors come as example-major token rows [B·T, …] (layers.EXAMPLE_MAJOR_FLATTENING).
+        self.token_rows = {m for parent in model.modules() if type(parent) in EXAMPLE_MAJOR_FLATTENING for m in parent.modules()}
+        # Generic modules sharing a parameter: their traces are merged before norms are taken.
+        self.generic_groups = self._sharing_groups(owners, generic)
+        sizes = {name: p.numel() for name, p in self.params.items()}
+        generic_names = {names_by_module[m][a] for m in generic for a in names_by_module[m]}
+        share = sum(sizes[n] for n in generic_names) / max(1, sum(sizes.values()))
+        # One line for the run log (the caller logs it): which modules cost per-example gradients.
+        self.fallback_summary = (
+            f"engine fallback (generic: per-example gradients by torch.func) for {len(generic)} modules, "
+            f"{share:.2%} of trainable parameters: " + ", ".join(sorted(f"{module_names[m]} ({type(m).__name__})" for m in generic))
+            if generic
+            else None
+        )
 
     def _trainable_owners(self, model: nn.Module) -> tuple[dict[str, list[tuple[nn.Module, str]]], dict[nn.Module, str]]:
-        """(parameter name → the (module, attribute) pairs holding it, module → its name);
-        refuses modules without a layer rule."""
+        """(parameter name → the (module, attribute) pairs holding it, module → its name)."""
         name_of = {id(p): n for n, p in model.named_parameters()}
         owners: dict[str, list[tuple[nn.Module, str]]] = defaultdict(list)
         module_names: dict[nn.Module, str] = {}
@@ -93,8 +128,6 @@ class FastEngine(PerExampleEngine):
                 if not p.requires_grad:
                     continue
                 name = name_of[id(p)]
-                if rule_for(module) is None:
-                    raise unsupported_module_error(name, module_name, module)
                 owners[name].append((module, attribute))
                 module_names[module] = module_name
         outside = [n for n in owners if n not in self.params]
@@ -103,9 +136,48 @@ class FastEngine(PerExampleEngine):
         return owners, module_names
 
     @staticmethod
+    def _generic_modules(owners: Mapping[str, list[tuple[nn.Module, str]]], module_names: Mapping[nn.Module, str], fallback: str) -> set[nn.Module]:
+        """The modules the generic rule handles: those without a layer rule and, so that a shared
+        parameter's per-example gradient is one formed tensor, every other holder of a parameter
+        they share. Under fallback=error, the first module without a rule is refused."""
+        generic: set[nn.Module] = set()
+        for name, uses in owners.items():
+            for module, _ in uses:
+                if rule_for(module) is None:
+                    if fallback == "error":
+                        raise unsupported_module_error(name, module_names[module], module)
+                    generic.add(module)
+        grown = True
+        while grown:
+            grown = False
+            for uses in owners.values():
+                holders = {m for m, _ in uses}
+                if holders & generic and not holders <= generic:
+                    generic |= holders
+                    grown = True
+        return generic
+
+    @staticmethod
+    def _sharing_groups(owners: Mapping[str, list[tuple[nn.Module, str]]], generic: set[nn.Module]) -> list[list[nn.Module]]:
+        """Groups (≥ 2) of generic modules linked by shared parameters."""
+        group_of: dict[nn.Module, list[nn.Module]] = {}
+        for uses in owners.values():
+            holders = list(dict.fromkeys(m for m, _ in uses))
+            if len(holders) < 2 or holders[0] not in generic:
+                continue
+            merged: list[nn.Module] = []
+            for m in holders:
+                for member in group_of.get(m, [m]):
+                    if member not in merged:
+                        merged.append(member)
+            for m in merged:
+                group_of[m] = merged
+        return list({id(g): g for g in group_of.values()}.values())
+
+    @staticmethod
     def _tied_head(name: str, modules: list[nn.Module]) -> TiedHead:
         # By rule, not by isinstance: the cross term needs an embedding's lookup and a Linear's (out, in) layout.
-        embeddings = [m for m in modules if rule_for(m) is EmbeddingLayer]
+        embeddings = [m for m in modules if rule_for(m) is not None and issubclass(rule_for(m), EmbeddingLayer)]
         heads = [m for m in modules if rule_for(m) is AffineLayer and isinstance(m, nn.Linear)]
         if len(modules) != 2 or len(embeddings) != 1 or len(heads) != 1:
             kinds = ", ".join(type(m).__name__ for m in modules)
@@ -121,13 +193,11 @@ class FastEngine(PerExampleEngine):
     def _recording(self) -> Iterator[dict[nn.Module, list[Call]]]:
         calls: dict[nn.Module, list[Call]] = defaultdict(list)
 
-        def record(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
-            if not output.requires_grad:
-                raise RuntimeError("the fast engine needs the loss computed with gradients enabled")
-            layer_input = args[0] if args else next(iter(kwargs.values()))
-            # The output's gradient edge, not the output: holding the tensor (e.g. the logits,
+        def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            inputs, outputs = self.layers[module].record(args, kwargs, output)
+            # The outputs' gradient edges, not the outputs: holding a tensor (e.g. the logits,
             # B × T × vocab) through the backward would keep memory autograd otherwise frees.
-            calls[module].append(Call(layer_input.detach(), get_gradient_edge(output), output.shape, output.dtype))
+            calls[module].append(Call(inputs, [Output(get_gradient_edge(o), o.shape, o.dtype) for o in outputs]))
 
         handles = [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
         try:
@@ -141,33 +211,48 @@ class FastEngine(PerExampleEngine):
             losses = loss_fn(self.model, batch)
         return losses, calls
 
-    def _backward(self, losses: torch.Tensor, calls: Mapping[nn.Module, list[Call]]) -> dict[nn.Module, Trace]:
+    def _backward(self, losses: torch.Tensor, calls: Mapping[nn.Module, list[Call]]) -> dict[nn.Module, Trace | PerExampleGradients]:
         size = losses.shape[0]
         modules = [m for m in self.layers if m in calls]
-        edges = [call.output for m in modules for call in calls[m]]
-        if losses.requires_grad and edges:
+        outputs = [output for m in modules for call in calls[m] for output in call.outputs]
+        if losses.requires_grad and outputs:
             # Gradients w.r.t. the layer outputs only: autograd then skips every parameter's
             # gradient, so no summed (non-private) gradient is ever formed or left in p.grad.
             with record_function("dpmuon.backward"):
-                grads = torch.autograd.grad(losses.sum(), edges, allow_unused=True)
+                grads = torch.autograd.grad(losses.sum(), [o.edge for o in outputs], allow_unused=True)
         else:
-            grads = (None,) * len(edges)
-        traces = {}
+            grads = (None,) * len(outputs)
+        grads = [g if g is not None else torch.zeros(o.shape, dtype=o.dtype, device=losses.device) for o, g in zip(outputs, grads)]
+        traces: dict[nn.Module, Trace | PerExampleGradients] = {}
         position = 0
         for module in modules:
             module_calls = calls[module]
-            inputs = [call.inputs for call in module_calls]
-            outs = [g if g is not None else torch.zeros(call.shape, dtype=call.dtype, device=losses.device) for call, g in zip(module_calls, grads[position:])]
-            position += len(module_calls)
-            for x in inputs + outs:
-                if x.shape[0] != size:
+            outs = []
+            for call in module_calls:
+                outs.append(grads[position : position + len(call.outputs)])
+                position += len(call.outputs)
+            layer = self.layers[module]
+            checked = [g for call_outs in outs for g in call_outs]
+            if not isinstance(layer, GenericLayer):
+                outs = [call_outs[0] for call_outs in outs]
+                checked += [call.inputs for call in module_calls]
+            rows_per_example = module in self.token_rows and not isinstance(layer, GenericLayer)
+            for x in checked:
+                if x.shape[0] != size and not (rows_per_example and x.shape[0] % max(size, 1) == 0):
                     raise ValueError(
                         f"module {type(module).__name__} saw a tensor of shape {tuple(x.shape)} for a micro-batch "
                         f"of {size} examples; per-example gradients need batch-first tensors (GPT-2 needs "
                         "batch-shaped position_ids)"
                     )
-            traces[module] = self.layers[module].trace(inputs, outs)
+            inputs = [call.inputs for call in module_calls]
+            if rows_per_example:
+                inputs, outs = ([x.reshape(size, -1, *x.shape[1:]) for x in xs] for xs in (inputs, outs))
+            traces[module] = layer.trace(inputs, outs)
             traces[module].keep_all = self.constant_time
+        for group in self.generic_groups:  # one formed gradient per shared parameter
+            present = [m for m in group if m in traces]
+            for m in present[1:]:
+                traces[present[0]] = traces[present[0]].merged(traces.pop(m))
         return traces
 
     # -- norms and sums ---------------------------------------------------------------------
@@ -187,9 +272,52 @@ class FastEngine(PerExampleEngine):
     def clipped_sum(self, batch, loss_fn):
         losses, calls = self._forward(batch, loss_fn)
         examples = example_rows(batch, losses.shape[0], losses.device)
+        # Under autocast or with half-precision weights, the batch gradient is rounded coarsely.
+        coarse = torch.is_autocast_enabled(losses.device.type) or any(p.dtype in (torch.float16, torch.bfloat16) for p in self.params.values())
         with full_precision(losses.device):
+            batch_grads = self._batch_gradients(losses) if not self.uses_checked and losses.requires_grad else None
             traces = self._backward(losses, calls)
+            if batch_grads is not None:
+                self._check_every_use_is_seen(traces, batch_grads, losses.shape[0], coarse=coarse)
             return self._clip_and_sum(traces, losses.detach(), examples)
+
+    # -- the first micro-batch's check -------------------------------------------------------
+
+    uses_checked = False  # set once the rules' sums have matched autograd's batch gradient
+
+    def _batch_gradients(self, losses: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Autograd's (non-private) batch gradient, once, to check the rules against; never released."""
+        grads = torch.autograd.grad(losses.sum(), list(self.params.values()), retain_graph=True, allow_unused=True)
+        return {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(self.params.items(), grads)}
+
+    def _check_every_use_is_seen(
+        self, traces: Mapping[nn.Module, Trace | PerExampleGradients], batch_grads: Mapping[str, torch.Tensor], size: int, coarse: bool
+    ) -> None:
+        """Refuse a model whose rules' unclipped sums Σ_i g_i miss part of a parameter's batch
+        gradient: a parameter used outside the calls of the module holding it (a parent's
+        `F.linear(h, embedding.weight)`) has a use no hook sees, so its norms would come out low.
+        Checked on the first micro-batch, to 1% (10% when `coarse`: a missed use is typically a
+        large part of the gradient; the tolerance only absorbs rounding, TF32 matmuls included)."""
+        if not all(bool(torch.isfinite(g).all()) for g in batch_grads.values()):
+            return  # a non-finite example's gradient is dropped anyway: check on a later micro-batch
+        sums: dict[str, torch.Tensor] = {}
+        device = next(iter(batch_grads.values())).device
+        ones = torch.ones(size, dtype=torch.float32, device=device)
+        # Heads before embeddings, as in `_clip_and_sum`: a tied embedding adds into the head's sum.
+        for module in sorted(traces, key=lambda m: isinstance(self.layers[m], EmbeddingLayer)):
+            self.layers[module].add_clipped_sums(traces[module], lambda name: ones, sums)
+        tolerance = 0.1 if coarse else 1e-2
+        for name, expected in batch_grads.items():
+            got = sums.get(name, torch.zeros(expected.shape, dtype=torch.float32, device=device))
+            error = float((got.double() - expected.double()).norm())
+            if error > tolerance * float(expected.double().norm()) + 1e-7:
+                raise ValueError(
+                    f"the fast engine's per-example gradients of {name!r} do not add up to its batch gradient (error {error:.3g}): "
+                    "the parameter is used outside the calls of the module that holds it (e.g. a parent's F.linear(h, module.weight)), "
+                    "which no per-example rule sees. Refusing rather than clipping a norm that comes out low; use the parameter "
+                    "through its module, or freeze it"
+                )
+        self.uses_checked = True
 
     def _clip_and_sum(
         self, traces: dict[nn.Module, Trace], losses: torch.Tensor, examples: torch.Tensor

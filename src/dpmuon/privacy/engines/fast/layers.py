@@ -12,16 +12,21 @@ weights differently in its own forward, so it must be registered on its own):
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+from transformers.models.gemma2.modeling_gemma2 import Gemma2TextScaledWordEmbedding
+from transformers.models.opt.modeling_opt import OPTDecoderLayer, OPTLearnedPositionalEmbedding
 from transformers.pytorch_utils import Conv1D
 
-from ..norms import HF_RMS_NORMS, rms_normalized
+from ..norms import HF_OFFSET_RMS_NORMS, HF_RMS_NORMS, rms_normalized
 from .kernels import WeightNormRule, direct_weight_norms, ghost_weight_norms, prefers_ghost, weighted_outer_sum
 
 # name → [B] fp32 scale for the examples' contributions to that parameter's clipped sum.
@@ -75,6 +80,14 @@ class Layer(ABC):
         self.weight_norms = weight_norms
         self.tied = tied
 
+    def record(self, args: tuple, kwargs: dict, output: Any) -> tuple[Any, list[torch.Tensor]]:
+        """What the engine keeps of one forward call: (the input `trace` gets, the outputs whose
+        gradients it gets). By default the first argument, and an output that is one tensor."""
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            raise RuntimeError("the fast engine needs the loss computed with gradients enabled")
+        layer_input = args[0] if args else next(iter(kwargs.values()))
+        return layer_input.detach(), [output]
+
     @abstractmethod
     def trace(self, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> Trace:
         """Flatten and concatenate the calls' inputs and output gradients."""
@@ -111,6 +124,13 @@ class InPlaceLayer(Layer):
 
 
 LAYER_RULES: dict[type[nn.Module], type[Layer]] = {}
+
+# Modules that flatten their batch-first hidden states [B, T, d] to token rows [B·T, d] with a
+# reshape before calling their children (OPT's MLP and its LayerNorm): the rows are then
+# example-major, so a child's [B·T, …] tensors are its examples' rows in order, which the rules'
+# reshape to [B, T, …] recovers. Any other leading dimension than B is refused; the coverage
+# test (tests/privacy/engines/test_coverage.py) checks these against the naive loop.
+EXAMPLE_MAJOR_FLATTENING: tuple[type[nn.Module], ...] = (OPTDecoderLayer,)
 
 
 def register_layer(*module_types: type[nn.Module]) -> Callable[[type[Layer]], type[Layer]]:
@@ -218,6 +238,33 @@ class EmbeddingLayer(InPlaceLayer):
         sums[name].index_add_(0, ids.flatten(), scaled.reshape(-1, b.shape[2]))
 
 
+@register_layer(GemmaTextScaledWordEmbedding, Gemma2TextScaledWordEmbedding)
+class ScaledEmbeddingLayer(EmbeddingLayer):
+    """HF's scaled word embeddings (Gemma, Gemma2): y = W[x] · s, s = `embed_scale` in W's dtype,
+    so example i's gradient scatters s · b_t: the embedding rule on scaled output gradients."""
+
+    def trace(self, inputs, grads):
+        trace = super().trace(inputs, grads)
+        scale = self.module.embed_scale.to(self.module.weight.dtype)
+        return Trace(trace.inputs, trace.grads * scale.to(trace.grads.dtype))
+
+
+@register_layer(OPTLearnedPositionalEmbedding)
+class OffsetEmbeddingLayer(EmbeddingLayer):
+    """OPT's learned positions: forward(attention_mask, cache_length=0, position_ids=None) looks up
+    position_ids + offset, the ids counted from the attention mask when none are given. The rule
+    records the ids looked up (tests/privacy/engines/test_hf_layer_rules.py checks the forward)."""
+
+    def record(self, args, kwargs, output):
+        _, outputs = super().record(args, kwargs, output)
+        call = inspect.signature(self.module.forward).bind(*args, **kwargs)
+        call.apply_defaults()
+        mask, cache_length, position_ids = (call.arguments[k] for k in ("attention_mask", "cache_length", "position_ids"))
+        if position_ids is None:
+            position_ids = ((torch.cumsum(mask, dim=1) * mask - 1).long())[:, cache_length:]
+        return (position_ids + self.module.offset).detach(), outputs
+
+
 class NormLayer(Layer):
     """A per-feature affine map of a normalized input, y = γ ⊙ x̂ (+ β): per-example gradients
     γ: Σ_t b_t ⊙ x̂_t and β: Σ_t b_t are d-sized, so they are formed exactly (fp32)."""
@@ -256,9 +303,10 @@ class LayerNormLayer(NormLayer):
         return F.layer_norm(x.float(), (x.shape[2],), eps=self.module.eps)
 
 
-@register_layer(nn.RMSNorm, *HF_RMS_NORMS)
+@register_layer(nn.RMSNorm, *HF_RMS_NORMS, *HF_OFFSET_RMS_NORMS)
 class RMSNormLayer(NormLayer):
-    """RMSNorm (torch's, and HF's per-model classes): x̂ = x / √(mean(x²) + ε), no bias."""
+    """RMSNorm (torch's, and HF's per-model classes): x̂ = x / √(mean(x²) + ε), no bias. Gemma's
+    (1 + γ) ⊙ x̂ has the same gradient in γ as γ ⊙ x̂, so it takes this rule too (see `norms`)."""
 
     def normalized(self, x):
         return rms_normalized(self.module, x)
