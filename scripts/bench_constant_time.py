@@ -24,6 +24,7 @@ import torch
 
 from dpmuon.config import compose_config
 from dpmuon.eval.runs import DIAGNOSTICS_FILE
+from dpmuon.privacy import mechanism
 from dpmuon.training import loop
 
 
@@ -48,7 +49,7 @@ class PatternLots:
 def step_times(overrides: list[str], sizes: list[int], run_dir: Path) -> tuple[dict[int, list[float]], int | None]:
     """Seconds of steps 2… of one run whose lots have `sizes` in turn, by the lot size asked
     for; and the run's B_max."""
-    loop.build_lot_sampler = lambda *a, max_lot_size=None, **k: PatternLots(sizes, max_lot_size)
+    mechanism.build_lot_sampler = lambda *a, max_lot_size=None, **k: PatternLots(sizes, max_lot_size)  # where the mechanism is built
     summary = loop.run(compose_config(*overrides), run_dir)
     rows = [json.loads(line) for line in (run_dir / DIAGNOSTICS_FILE).read_text().splitlines()]
     by_size: dict[int, list[float]] = {}

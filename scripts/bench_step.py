@@ -14,6 +14,7 @@ peak RSS of that process above its footprint before the model was built (labelle
 
     python scripts/bench_step.py --threads 1                       # tiny model, CPU (~5 min, 2 cores)
     python scripts/bench_step.py --threads 1 --model llama-tiny    # the same size as a Llama (RMSNorm, GQA, SwiGLU)
+    python scripts/bench_step.py --threads 1 --model llama-tiny --lora-r 8 --engines fast --clip-modes per_matrix  # LoRA adapters only
     python scripts/bench_step.py --threads 2 --model smollm2       # pretrained SmolLM2-135M from models/smollm2
     python scripts/bench_step.py --model gpt2-small --device cuda --lot 256 --micro-batch 32 --seq-len 128
     DPMUON_DATA_DIR=… DPMUON_TOKENIZER=… python scripts/bench_step.py --data e2e --json bench.json
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +41,15 @@ from dpmuon.config import compose_config
 from dpmuon.config.roster import optimizer_roster
 from dpmuon.data import EncodedExample, load_tokenizer
 from dpmuon.jsontext import to_json
-from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
+from dpmuon.models import IGNORE_INDEX, LoraOptions, Shape, add_lora, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
-from dpmuon.privacy import GaussianNoise
-from dpmuon.privacy.distributed import SINGLE
+from dpmuon.privacy.mechanism import PrivacySettings, build_mechanism
 from dpmuon.training.batching import lot_micro_batches
 from dpmuon.training.data import prepare_data
-from dpmuon.training.loop import build_release, mechanism_randomness
-from dpmuon.training.plan import PrivacyPlan
+from dpmuon.training.loop import privacy_settings
 from dpmuon.training.run_files import code_version
+from dpmuon.training.secret import user_mechanism_secret
 
 VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
 # name → (architecture, shape) of a random-init model over GPT-2's vocabulary.
@@ -70,7 +70,7 @@ ROSTER = [entry for entry in optimizer_roster() if entry.kind in TWIN_KIND]
 OPTIMIZERS = [e.name for e in ROSTER if e.private]
 NON_PRIVATE_TWIN = {e.name: next(t.name for t in ROSTER if not t.private and t.kind == TWIN_KIND[e.kind]) for e in ROSTER if e.private}
 # conf/privacy calibrates σ from a target ε; here σ is fixed: noise is drawn as in a real run and
-# its size does not change the cost. q only enters the accountant's history (never queried).
+# its size does not change the cost. q only enters the plan (N = lot / q) and the accountant.
 NOISE_MULTIPLIER = 1.0
 SAMPLE_RATE = 0.01
 
@@ -156,11 +156,14 @@ def local_model_dir(name: str) -> Path:
     return path
 
 
-def build_bench_model(name: str) -> torch.nn.Module:
+def build_bench_model(name: str, lora_r: int | None = None) -> torch.nn.Module:
+    """The named model; with `lora_r`, frozen under rank-r LoRA adapters on every projection."""
     if name in LOCAL_MODELS:
-        return load_pretrained(str(local_model_dir(name)), dropout=0.0)
-    arch, shape = RANDOM_MODELS[name]
-    return build_random_lm(arch, shape, seed=0)
+        model = load_pretrained(str(local_model_dir(name)), dropout=0.0)
+    else:
+        arch, shape = RANDOM_MODELS[name]
+        model = build_random_lm(arch, shape, seed=0)
+    return model if lora_r is None else add_lora(model, LoraOptions(r=lora_r, alpha=float(lora_r)))
 
 
 def vocab_size(name: str) -> int:
@@ -176,43 +179,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_plan(cfg: DictConfig, lot_size: int) -> PrivacyPlan:
-    """A privacy plan for timing only: σ and q fixed (not calibrated to the target ε), one step."""
-    private = bool(cfg.optimizer.private)
-    return PrivacyPlan(
-        private=private,
-        dataset_size=round(lot_size / SAMPLE_RATE),
-        expected_lot_size=lot_size,
-        sample_rate=SAMPLE_RATE,
-        steps=1,
-        noise_multiplier=float(cfg.privacy.noise_multiplier) if private else 0.0,
-        target_epsilon=float(cfg.privacy.target_epsilon) if private else None,
-        delta=float(cfg.privacy.delta) if private else None,
-        accountant=str(cfg.privacy.accountant) if private else None,
-        planned_epsilon=None,
-    )
+def bench_settings(cfg: DictConfig, lot_size: int) -> PrivacySettings:
+    """The run's privacy settings for timing only: σ and q fixed (not calibrated to the target ε),
+    one step of lots of `lot_size`, lots as drawn (the bench gives every configuration the same lot)."""
+    return replace(privacy_settings(cfg), expected_lot_size=lot_size, steps=1, constant_time=False)
 
 
 class Runner:
     """A model, its release (privatizer or non-private) and its optimizer, built as the trainer
     builds them from a composed config, ready to step."""
 
-    def __init__(self, cfg: DictConfig, model_name: str, lot_size: int, device: torch.device):
+    def __init__(self, cfg: DictConfig, model_name: str, lot_size: int, device: torch.device, lora_r: int | None = None):
         self.device = device
-        self.model = build_bench_model(model_name).to(device).train()
+        self.model = build_bench_model(model_name, lora_r).to(device).train()
         matrices = hidden_matrices(self.model)
         named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        randomness = mechanism_randomness(cfg, SINGLE)
-        noise = GaussianNoise(randomness.noise, secure=randomness.secure)
-        # No ledger: nothing here is a real release. The release is build_release's last value
-        # (the partition etc. before it are the trainer's bookkeeping).
-        *_, self.release = build_release(cfg, self.model, named, matrices, bench_plan(cfg, lot_size), noise, SINGLE, None)
+        # The trainer's mechanism over N = lot/q examples; no ledger: nothing here is a real release.
+        mechanism = build_mechanism(
+            self.model,
+            round(lot_size / SAMPLE_RATE),
+            bench_settings(cfg, lot_size),
+            hidden_matrices=matrices,
+            user_secret=user_mechanism_secret(cfg),
+            run_dir=None,
+            dataset_name="bench",
+            log=lambda message: None,
+        )
+        self.release = mechanism.release
         self.optimizer = build_optimizer(
             cfg.optimizer.kind,
             OptimizerInputs(
                 params=named,
                 hidden_matrices=matrices,
-                release_noise_std=self.release.release_noise_std(),
+                release_noise_std=mechanism.release_noise_std(),
                 generator=torch.Generator(device=device).manual_seed(0),
             ),
             OmegaConf.to_container(cfg.optimizer, resolve=True),
@@ -232,7 +231,7 @@ class Runner:
 
 
 def measure_throughput(configs: list[Config], args, batches, device) -> tuple[dict[Config, dict[str, list[float]]], dict[Config, Runner]]:
-    runners = {c: Runner(compose_config(*c.overrides), args.model, args.lot, device) for c in configs}
+    runners = {c: Runner(compose_config(*c.overrides), args.model, args.lot, device, args.lora_r) for c in configs}
     times = {c: {"release_s": [], "optimizer_s": []} for c in configs}
     for runner in runners.values():
         runner.step(batches)  # warm-up: optimizer state, allocator, kernel selection
@@ -269,7 +268,7 @@ def peak_memory_mib(config: Config, args, batches, device) -> float:
             Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
         except OSError:
             pass  # without the reset, VmHWM includes the imports' transient peak: an overestimate
-    runner = Runner(cfg, args.model, args.lot, device)
+    runner = Runner(cfg, args.model, args.lot, device, args.lora_r)
     for _ in range(2):
         runner.step(batches)
     if cuda:
@@ -293,6 +292,7 @@ def peak_memory_in_subprocess(config: Config, args, lot_path: Path) -> float:
         args.device,
         "--threads",
         str(args.threads),
+        *(["--lora-r", str(args.lora_r)] if args.lora_r else []),
     ]
     # A fixed mmap threshold makes glibc return every freed block ≥ 1 MiB to the OS, so the
     # peak RSS tracks the peak of live tensors instead of what the allocator kept cached.
@@ -393,6 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory", choices=["subprocess", "none"], default="subprocess")
     parser.add_argument("--memory-jobs", type=int, default=2, help="memory probes run at once")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-r", type=int, help="train rank-r LoRA adapters on every projection of the frozen model (default: full fine-tuning)")
     parser.add_argument("--json", type=Path, help="also write the rows and settings here")
     parser.add_argument("--phases", action="store_true", help="also profile one step per private configuration: time per phase")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one configuration's peak
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = configurations(args.engines, args.clip_modes, args.optimizers)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     print(
-        f"model {args.model}, {args.data} lot {args.lot} in micro-batches of {args.micro_batch} "
+        f"model {args.model}{f' + LoRA r={args.lora_r}' if args.lora_r else ''}, {args.data} lot {args.lot} in micro-batches of {args.micro_batch} "
         f"({tokens / args.lot:.1f} tokens/example), device {device}, {torch.get_num_threads()} threads, "
         f"{args.repeats} repeats, {len(configs)} configurations",
         file=sys.stderr,

@@ -177,11 +177,12 @@ smoke_report() {
     "$PYTHON" - "$OUT" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
+from dpmuon.eval.runs import find_runs
 out = Path(sys.argv[1])
 rows = []
-for summary_path in sorted(out.glob("smoke/*/summary.json")):
-    summary = json.loads(summary_path.read_text())
-    metrics = [json.loads(line) for line in (summary_path.parent / "metrics.jsonl").read_text().splitlines()]
+for run in find_runs([out / "smoke"]):
+    summary = run.summary
+    metrics = run.load_metrics(diagnostics=True)  # train loss and step times: diagnostics.jsonl unless published
     losses = [m["train_loss"] for m in metrics if m.get("train_loss") is not None]
     seconds = [m["step_seconds"] for m in metrics if m.get("step_seconds") is not None]
     rows.append({

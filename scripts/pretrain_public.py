@@ -18,6 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from dpmuon import run_folder
 from dpmuon.config import compose_config
 from dpmuon.data import DataError
 from dpmuon.errors import UserError
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if out.exists():
         shutil.rmtree(out)
-    shutil.copytree(run_dir / "model", out)
+    shutil.copytree(run_dir / run_folder.MODEL, out)
     print(f"wrote {out} (from {run_dir})")
     return 0
 

@@ -11,13 +11,19 @@ import pytest
 import torch
 from helpers_runs import write_runs_tree
 
-from dpmuon.models import IGNORE_INDEX, build_random_gpt2
+from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm
 
 VOCAB = 97
 
 
+def random_gpt2(vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_positions: int, tie_embeddings: bool = True, seed: int = 0, eos_token_id=None):
+    """A randomly initialized GPT-2 of the given shape (the models package builds it from a config)."""
+    shape = Shape(vocab_size=vocab_size, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions)
+    return build_random_lm("gpt2", shape, tie_embeddings, seed=seed, eos_token_id=eos_token_id)
+
+
 def tiny_gpt2(tie: bool = True, seed: int = 0, n_layer: int = 2, n_embd: int = 32):
-    return build_random_gpt2(vocab_size=VOCAB, n_layer=n_layer, n_embd=n_embd, n_head=2, n_positions=32, tie_embeddings=tie, seed=seed)
+    return random_gpt2(vocab_size=VOCAB, n_layer=n_layer, n_embd=n_embd, n_head=2, n_positions=32, tie_embeddings=tie, seed=seed)
 
 
 def token_batch(batch_size: int, length: int = 12, seed: int = 0, left_pad: bool = False) -> dict:

@@ -11,9 +11,9 @@ from helpers_train import compose_config, require_real_data
 from dpmuon.config.schema import ConfigError, blamed_on, one_line, validate
 from dpmuon.data import DataError, load_tokenizer
 from dpmuon.errors import UserError
+from dpmuon.privacy.plan import plan_length
 from dpmuon.training import loop
 from dpmuon.training.loop import run
-from dpmuon.training.plan import plan_length
 from dpmuon.training.secret import MECHANISM_SEED_ENV, user_mechanism_secret
 
 SMALL = [

@@ -12,9 +12,10 @@ import os
 
 import pytest
 import torch
+from conftest import random_gpt2
 from helpers_tokenizers import CharTokenizer
 
-from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
+from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, build_engine, build_partition
 from dpmuon.training.evaluation import decode
@@ -42,7 +43,7 @@ def _device_available():
 
 
 def model_on_device(tie: bool = True, seed: int = 0):
-    return build_random_gpt2(**SHAPE, n_positions=64, tie_embeddings=tie, seed=seed).to(DEVICE)
+    return random_gpt2(**SHAPE, n_positions=64, tie_embeddings=tie, seed=seed).to(DEVICE)
 
 
 def lot(size: int, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -126,7 +127,7 @@ def test_dp_optimizers_step_on_the_device_and_keep_fp32_state(name):
 
 
 def test_decoding_on_the_device_matches_the_cpu():
-    model = build_random_gpt2(vocab_size=258, n_layer=2, n_embd=32, n_head=2, n_positions=64, eos_token_id=256, seed=11)
+    model = random_gpt2(vocab_size=258, n_layer=2, n_embd=32, n_head=2, n_positions=64, eos_token_id=256, seed=11)
     sources = ["name : The Eagle", "x" * 30, "a b c"]
     cfg = {"decoding": "greedy", "num_beams": 1, "max_new_tokens": 12, "batch_size": 2}
     on_cpu = decode(model, CharTokenizer(), sources, cfg, torch.device("cpu"), contextlib.nullcontext)

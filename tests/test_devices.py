@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_gpt2, token_batch
+from conftest import random_gpt2, tiny_gpt2, token_batch
 from helpers_threads import one_thread  # noqa: F401  (autouse: one torch thread for these tiny models)
 from helpers_tokenizers import CharTokenizer
 from torch.overrides import TorchFunctionMode
 
 import dpmuon
 from dpmuon.data import EncodedExample
-from dpmuon.models import IGNORE_INDEX, build_random_gpt2, hidden_matrices, per_example_lm_loss
+from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
 from dpmuon.privacy import GaussianNoise, NonPrivateRelease, PrivacyAccountant, Privatizer, SecretStream, build_partition
 from dpmuon.training.evaluation import decode, token_nll
@@ -139,7 +139,7 @@ def test_non_private_release_creates_no_tensor_without_a_device():
 
 
 def test_decoding_and_held_out_nll_create_no_tensor_without_a_device():
-    model = build_random_gpt2(vocab_size=258, n_layer=1, n_embd=16, n_head=2, n_positions=48, eos_token_id=256, seed=1)
+    model = random_gpt2(vocab_size=258, n_layer=1, n_embd=16, n_head=2, n_positions=48, eos_token_id=256, seed=1)
     examples = [EncodedExample(list(range(1, 9)), [IGNORE_INDEX] * 4 + list(range(5, 9))) for _ in range(3)]
     cpu = torch.device("cpu")
     with FactoryAudit() as audit:

@@ -1,10 +1,13 @@
 """The house's boundaries and sizes, checked on the source: the optimizers only post-process
-the release (they never import the privacy package), the mechanism never reads models, data or
-training, data never imports models, and no function is too long to name."""
+the release (they never import the privacy package, nor the config package), the mechanism never
+reads models, data or training, the mechanism and data import nothing of the application, data
+never imports models, and no function is too long to name."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +15,7 @@ from dpmuon.paths import REPO_ROOT
 
 SRC = REPO_ROOT / "src" / "dpmuon"
 MAX_FUNCTION_LINES = 80
+APPLICATION = {"training", "eval", "experiments", "config"}  # what the library packages never import
 
 
 def imported_packages(package: str) -> set[str]:
@@ -37,10 +41,44 @@ def imported_packages(package: str) -> set[str]:
 
 @pytest.mark.parametrize(
     "package, forbidden",
-    [("optim", {"privacy", "training", "data"}), ("privacy", {"models", "data", "training", "optim"}), ("data", {"models", "training"})],
+    [
+        # The optimizer library stands alone: it neither sees the mechanism nor reads the repository's configs.
+        ("optim", {"privacy", "training", "data", "config"}),
+        ("privacy", {"models", "data", "training", "optim"} | APPLICATION),
+        ("data", {"models", "training"} | APPLICATION),
+    ],
 )
 def test_package_boundaries(package, forbidden):
     assert not imported_packages(package) & forbidden, imported_packages(package)
+
+
+@pytest.mark.parametrize(
+    "light, heavy",
+    [("dpmuon.privacy.accountant", "dpmuon.privacy.engines"), ("dpmuon.privacy", "dpmuon.privacy.privatizer"), ("dpmuon.eval.tables", "torch")],
+)
+def test_a_light_import_does_not_load_what_it_does_not_use(light, heavy):
+    """The accountant (the calibration CLI, the study) does not load the per-example engines,
+    and the report scripts do not load torch: dpmuon.privacy loads its modules on first use."""
+    code = f"import {light}; import sys; print({heavy!r} in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_only_the_run_folder_layout_spells_a_run_file_name():
+    """Every reader and writer of a run folder takes the names from dpmuon/run_folder.py, so a
+    renamed file cannot leave a reader looking for the old name."""
+    from dpmuon import run_folder as layout
+
+    names = {layout.SUMMARY, layout.METRICS, layout.DIAGNOSTICS, layout.LEDGER, layout.CHECKPOINT, layout.MECHANISM_STATE,
+             layout.GENERATIONS, layout.LOCK, layout.SEED_USE, layout.RUNNER_LOCK, layout.WEIGHTS_FINGERPRINT, layout.STORED_CONFIG}  # fmt: skip
+    spelled = [
+        f"{path.relative_to(SRC)}:{node.lineno} {node.value!r}"
+        for path in SRC.rglob("*.py")
+        if path.name != "run_folder.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+    assert not spelled, spelled
 
 
 def test_no_function_is_longer_than_a_screen_unless_it_says_why():

@@ -36,8 +36,8 @@ from omegaconf.errors import OmegaConfBaseException
 from .config.roster import CONFIG_DIR
 from .config.schema import is_option, unknown_option, validate
 from .errors import UserError
+from .run_folder import HYDRA_DIR, LOCK, NOT_A_RUN
 from .training.run_identity import (
-    NOT_A_RUN,
     RESUME_ADJUSTABLE,
     check_new_run_dir,
     check_resumable,
@@ -45,7 +45,7 @@ from .training.run_identity import (
     run_files,
     shown_keys,
 )
-from .training.run_lock import LOCK_FILE, lock_run_dir, unlock_run_dir
+from .training.run_lock import lock_run_dir, unlock_run_dir
 
 # Paths Hydra's override grammar takes unquoted; others are single-quoted.
 PLAIN_PATH = re.compile(r"[\w/.\-+@:%~]+")
@@ -156,7 +156,7 @@ def quoted(path: str) -> str:
 
 def remove_if_unused(run_dir: Path, created: list[Path]) -> None:
     """At exit: remove the run folder (and the parents) this command created if it holds only
-    what a run leaves that stopped before it trained (run_identity.NOT_A_RUN)."""
+    what a run leaves that stopped before it trained (run_folder.NOT_A_RUN)."""
     if not run_dir.is_dir():
         return
     try:  # (the run released its lock when it ended: another process may hold the folder now)
@@ -166,9 +166,9 @@ def remove_if_unused(run_dir: Path, created: list[Path]) -> None:
     if not {entry.name for entry in run_dir.iterdir()} <= set(NOT_A_RUN):
         unlock_run_dir(run_dir)
         return
-    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    shutil.rmtree(run_dir / HYDRA_DIR, ignore_errors=True)
     for name in NOT_A_RUN:
-        if name not in (".hydra", LOCK_FILE):
+        if name not in (HYDRA_DIR, LOCK):
             (run_dir / name).unlink(missing_ok=True)
     unlock_run_dir(run_dir)  # removes the lock file, while still holding it
     with contextlib.suppress(OSError):  # a folder with anything else in it (or taken meanwhile) stays

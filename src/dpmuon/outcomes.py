@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .jsontext import to_json
+from .run_folder import TRAIN_LOG
 
 # The driver's [dpmuon] lines; Hydra's job logging (conf/config.yaml) sends it to train.log only.
 RUN_LOG = logging.getLogger("dpmuon")
@@ -37,7 +38,7 @@ def say(message: str, level: int = logging.INFO) -> None:
 def also_log_to(run_dir: Path) -> None:
     """Append the [dpmuon] lines to `run_dir`/train.log too: a resumed run's own log, beside the
     new Hydra folder the resume command gets."""
-    handler = logging.FileHandler(run_dir / "train.log", mode="a", encoding="utf-8")
+    handler = logging.FileHandler(run_dir / TRAIN_LOG, mode="a", encoding="utf-8")
     for existing in RUN_LOG.handlers:  # the same line format as Hydra's file handler
         handler.setFormatter(existing.formatter)
     RUN_LOG.addHandler(handler)

@@ -36,6 +36,7 @@ from .outcomes import (
     output_folder_problem,
     say,
 )
+from .run_folder import NOT_A_RUN, STORED_CONFIG, is_finished
 from .training.secret import (
     MECHANISM_SEED_ENV,
     SEED_FILE_KEY,
@@ -55,8 +56,8 @@ def resolve_run(cfg: DictConfig) -> tuple[DictConfig, Path]:
     if cfg.resume is None:
         return cfg, Path(HydraConfig.get().runtime.output_dir)
     run_dir = Path(cfg.resume)
-    stored = run_dir / ".hydra" / "config.yaml"
-    if (run_dir / "summary.json").exists():
+    stored = run_dir / STORED_CONFIG
+    if is_finished(run_dir):
         raise UserError(f"{run_dir} already finished (summary.json exists); nothing to resume")
     if not stored.exists():
         raise UserError(f"cannot resume {run_dir}: {stored} not found (is this a dpmuon run directory?)")
@@ -101,7 +102,7 @@ def warn_of_shared_seed(cfg: DictConfig) -> None:
         print(
             f"[dpmuon] warning: ~{shared:g} jobs of this multirun share each mechanism seed ({given}): they draw the same "
             "lots and the same noise, so the difference of two of their releases is noise-free and their guarantees do "
-            "not compose (see README, 'Mechanism randomness')",
+            "not compose (see docs/privacy.md, 'Mechanism randomness is secret')",
             file=sys.stderr,
         )
 
@@ -138,8 +139,6 @@ def exit_with_error(message: str, code: int = 2) -> None:
 
 def resume_advice(run_dir: Path) -> str:
     """The resume command for `run_dir`, or why there is none (the checks a resume would make)."""
-    from .training.run_identity import NOT_A_RUN
-
     if run_dir.is_dir() and {entry.name for entry in run_dir.iterdir()} <= set(NOT_A_RUN):
         return "it stopped before it trained: run the same command again"  # (a folder it created is removed at exit)
     try:

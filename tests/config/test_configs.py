@@ -11,9 +11,9 @@ from helpers_train import EXPERIMENTS, GROUPS, compose_config, compose_many
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from dpmuon.config.roster import kind_defaults, optimizer_names, optimizer_roster
+from dpmuon.config.roster import optimizer_names, optimizer_roster
 from dpmuon.models import hidden_matrices
-from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
+from dpmuon.optim import DEFAULTS, OPTIMIZERS, OptimizerInputs, build_optimizer
 from dpmuon.optim.registry import _completed
 from dpmuon.train import CONFIG_DIR
 
@@ -22,7 +22,7 @@ def test_groups_offer_what_the_docs_promise():
     assert GROUPS["optimizer"] == ["adam", "dp_adam", "dp_muon", "dp_muonbc", "dp_sgd", "muon"]
     assert optimizer_names() == ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc", "adam", "muon")  # display order
     assert optimizer_names(private=True) == ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
-    assert GROUPS["dataset"] == ["dart", "e2e"]
+    assert GROUPS["dataset"] == ["dart", "e2e", "hf_example"]
     assert {"tiny", "gpt2", "gpt2-medium", "distilgpt2"} <= set(GROUPS["model"])
     assert {"smoke", "e2e", "dart"} <= set(EXPERIMENTS[1:])
 
@@ -117,8 +117,8 @@ def test_roster_is_read_by_makefile_sweeps_eval_and_scripts():
 
 @pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
 def test_builders_receive_the_yaml_defaults_and_nothing_else(optimizer):
-    """Defaults appear once (conf/optimizer/): what the built optimizer holds is the YAML's
-    value, whether the caller passes the composed section or only a learning rate."""
+    """What the built optimizer holds is the YAML's value, whether the caller passes the composed
+    section or only a learning rate (then the builder's defaults, which the YAML repeats)."""
     section = OmegaConf.to_container(compose_config(f"optimizer={optimizer}").optimizer, resolve=True)
     model = tiny_gpt2()
     inputs = OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model))
@@ -135,4 +135,23 @@ def test_builders_receive_the_yaml_defaults_and_nothing_else(optimizer):
                 assert list(group["betas"]) == settings["betas"]
             if group.get("bias_correction"):
                 assert group["probe_scale"] == expected["bias_correction"]["probe_scale"]
-    assert kind_defaults(section["kind"]).keys() <= section.keys()  # the completion adds no key of its own
+    assert DEFAULTS[section["kind"]].keys() <= section.keys()  # the completion adds no key of its own
+
+
+def agrees_with(section: dict, defaults: dict, where: str = "") -> list[str]:
+    """Keys of `defaults` (recursively) whose value `section` gives differently."""
+    differ = []
+    for key, value in defaults.items():
+        if isinstance(value, dict):
+            differ += agrees_with(section.get(key, {}), value, f"{where}{key}.")
+        elif section.get(key, value) != value:
+            differ.append(f"{where}{key}: {section[key]!r} != {value!r}")
+    return differ
+
+
+@pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
+def test_the_library_defaults_are_the_yaml_values(optimizer):
+    """dpmuon.optim builds without the repository's configs: a library user who gives only the
+    learning rates gets what conf/optimizer/<name>.yaml trains with."""
+    section = OmegaConf.to_container(compose_config(f"optimizer={optimizer}").optimizer, resolve=True)
+    assert agrees_with(section, DEFAULTS[section["kind"]]) == []

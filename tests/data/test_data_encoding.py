@@ -15,7 +15,6 @@ from dpmuon.data import (
     collate_prompts,
     encode_for_training,
     encode_prompt,
-    encode_training_example,
     load_tokenizer,
 )
 
@@ -68,7 +67,7 @@ def test_load_tokenizer_failure_is_a_data_error(tmp_path: Path) -> None:
 
 
 def test_training_example_masks_exactly_the_prompt(tokenizer: PreTrainedTokenizerFast) -> None:
-    encoded = encode_training_example(tokenizer, Example("name : A", "A is a pub ."))
+    [encoded], _ = encode_for_training([Example("name : A", "A is a pub .")], tokenizer, max_length=100)
 
     target = ids("A", "is", "a", "pub", ".")
     assert encoded.input_ids == ids("name", ":", "A") + [EOS] + target + [EOS]
@@ -80,7 +79,7 @@ def test_prompt_is_the_prefix_of_the_training_sequence(tokenizer: PreTrainedToke
     prompt = encode_prompt(tokenizer, example.source)
 
     assert prompt == ids("name", ":", "A", "|", "Type", ":", "pub") + [EOS]
-    assert encode_training_example(tokenizer, example).input_ids[: len(prompt)] == prompt
+    assert encode_for_training([example], tokenizer, max_length=100)[0][0].input_ids[: len(prompt)] == prompt
 
 
 def test_encode_for_training_drops_only_examples_over_max_length(
@@ -95,7 +94,7 @@ def test_encode_for_training_drops_only_examples_over_max_length(
     kept, dropped = encode_for_training(examples, tokenizer, max_length=7)
 
     assert dropped == 1
-    assert kept == [encode_training_example(tokenizer, examples[i]) for i in (0, 2)]
+    assert [e.input_ids for e in kept] == [ids("name", ":", "A") + [EOS] + ids("a", ".") + [EOS], ids("name") + [EOS] + ids(".") + [EOS]]
     assert encode_for_training([], tokenizer, max_length=7) == ([], 0)
     with pytest.raises(ValueError, match="max_length"):
         encode_for_training(examples, tokenizer, max_length=0)

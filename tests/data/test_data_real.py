@@ -14,7 +14,6 @@ import pytest
 from dpmuon.data import (
     encode_for_training,
     encode_prompt,
-    encode_training_example,
     group_references,
     load_examples,
     load_tokenizer,
@@ -109,7 +108,7 @@ def test_encoding_masks_exactly_the_prompt(data_root: Path, tokenizer) -> None:
     example = load_examples("e2e", "test", data_root)[0]
     eos = tokenizer.eos_token_id
 
-    encoded = encode_training_example(tokenizer, example)
+    [encoded], _ = encode_for_training([example], tokenizer, max_length=10**6)
     prompt = encode_prompt(tokenizer, example.source)
 
     source_ids = tokenizer.encode(" " + example.source)

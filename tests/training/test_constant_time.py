@@ -18,9 +18,9 @@ import torch
 from helpers_train import compose_config, require_real_data
 from test_published_values import RELEASE_DERIVED, TINY, fake_wandb
 
+from dpmuon.privacy import mechanism
 from dpmuon.privacy.engines import ENGINES
 from dpmuon.privacy.engines.base import EXAMPLE_MASK
-from dpmuon.training import loop
 from dpmuon.training.loggers import WandbLogger
 from dpmuon.training.loop import run
 from dpmuon.training.run_files import FROZEN_TIME, MetricsLog
@@ -51,7 +51,7 @@ class PatternLots:
 def run_with_lots(tmp_path, monkeypatch, capsys, name: str, sizes: list[int]):
     calls, batches = [], []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
-    monkeypatch.setattr(loop, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots(sizes, max_lot_size))
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots(sizes, max_lot_size))
 
     def spy(self, batch, loss_fn):
         batches.append({k: tuple(v.shape) for k, v in batch.items()} | {"examples": int(batch[EXAMPLE_MASK].sum())})

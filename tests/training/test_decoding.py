@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from conftest import random_gpt2
 from helpers_tokenizers import CharTokenizer
 
-from dpmuon.models import build_random_gpt2
 from dpmuon.training.evaluation import decode, fit_prompt
 
 
@@ -18,7 +18,7 @@ def test_fit_prompt_keeps_room_for_new_tokens():
 
 
 def test_decode_handles_prompts_near_and_beyond_the_context():
-    model = build_random_gpt2(vocab_size=258, n_layer=1, n_embd=16, n_head=2, n_positions=40, eos_token_id=256, seed=1)
+    model = random_gpt2(vocab_size=258, n_layer=1, n_embd=16, n_head=2, n_positions=40, eos_token_id=256, seed=1)
     sources = ["short", "x" * 30, "y" * 80, "mid length"]
     cfg = {"decoding": "beam", "num_beams": 2, "max_new_tokens": 30, "batch_size": 2}
     out = decode(model, CharTokenizer(), sources, cfg, torch.device("cpu"), contextlib.nullcontext)

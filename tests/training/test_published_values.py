@@ -17,7 +17,7 @@ import types
 import pytest
 from helpers_train import compose_config, require_real_data
 
-from dpmuon.training import loop
+from dpmuon.privacy import mechanism
 from dpmuon.training.loop import run
 
 TINY = [
@@ -67,7 +67,7 @@ def fake_wandb(calls: list):
 def run_with_lots(tmp_path, monkeypatch, capsys, name: str, sizes: list[int]):
     calls: list = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
-    monkeypatch.setattr(loop, "build_lot_sampler", lambda *a, **k: FixedSizeLots(sizes))
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, **k: FixedSizeLots(sizes))
     # Without constant-time lots (tests/training/test_constant_time.py covers the default): the
     # lots of 150 are not truncated, and nothing but the time steps take may tell them apart.
     cfg = compose_config(*TINY, "logger=wandb", "logging.nonprivate_diagnostics=false", "logging.progress=true", "privacy.constant_time=false")

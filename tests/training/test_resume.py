@@ -31,8 +31,8 @@ from helpers_train import compose_config, require_real_data
 from dpmuon.errors import UserError
 from dpmuon.privacy import PrivacyAccountant, PrivacyLedger
 from dpmuon.privacy.accountant import ReleaseSlack
+from dpmuon.privacy.plan import check_resume_compatible, make_plan
 from dpmuon.training.loop import run
-from dpmuon.training.plan import check_resume_compatible, make_plan
 from dpmuon.training.secret import MECHANISM_SEED_ENV
 
 # Secure mode at a calibrated σ: ε after the 8 planned steps is just below the target, so one

@@ -16,6 +16,7 @@ import torch
 from helpers_train import compose_config, require_real_data
 
 from dpmuon.errors import UserError
+from dpmuon.privacy.mechanism import mechanism_randomness
 from dpmuon.privacy.randomness import USER_SEED
 from dpmuon.train import check_resume_seed, cli
 from dpmuon.training import loop
@@ -116,7 +117,7 @@ def test_a_seed_below_2_to_the_64_is_warned_once_per_run(monkeypatch, capsys):
     cfg = compose_config()
     for seed, warned in ((2**64 - 1, True), (2**64, False)):
         monkeypatch.setenv(MECHANISM_SEED_ENV, str(seed))
-        loop.mechanism_randomness(cfg, loop.init_data_parallel("cpu"))
+        mechanism_randomness(user_mechanism_secret(cfg), loop.privacy_settings(cfg), log=loop.log)
         err = capsys.readouterr().err
         assert err.count(WEAK_SEED_WARNING) == (1 if warned else 0) and str(seed) not in err
 

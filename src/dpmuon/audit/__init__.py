@@ -14,7 +14,7 @@ guesses therefore refute (ε, δ)-DP for every ε below some value: that value, 
 privacy profile (the audit's verdict), and μ-Gaussian DP (a lower bound μ̂ with no ceiling).
 
 Setting — white-box canaries run through our mechanism end to end: the training loop's lot
-sampler (`build_lot_sampler`, as the loop calls it) → Privatizer.release → SGD on p.grad.
+sampler (`build_lot_sampler`, as privacy/mechanism.py calls it) → Privatizer.release → SGD on p.grad.
 
 - Dirac canaries (`model="dirac"`): K one-column embedding tables, each its own block; canary j
   owns row j of every table, so its gradient touches all K blocks and nothing else does.

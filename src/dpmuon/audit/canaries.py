@@ -22,10 +22,12 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
-from ..privacy.accountant import PrivacyAccountant, calibrate_noise_multiplier, epsilon_after
+from ..privacy.accountant import calibrate_noise_multiplier, epsilon_after
 from ..privacy.blocks import BlockPartition, build_partition
 from ..privacy.engines.fast.layers import AffineLayer
+from ..privacy.mechanism import build_privatizer
 from ..privacy.noise import GaussianNoise
+from ..privacy.plan import PrivacyPlan
 from ..privacy.privatizer import Privatizer
 from ..privacy.randomness import SecretStream
 from ..privacy.sampling import PoissonLotSampler, build_lot_sampler
@@ -466,19 +468,24 @@ def mutated_block_stds(mutation: Mutation, claimed: BlockPartition, privatizer_s
 
 
 def build_mechanism(world: CanaryWorld, setup: AuditSetup, noise_multiplier: float, breakage: str, noise: SecretStream) -> Privatizer:
-    """The privatizer under audit, built as the training loop builds it; `breakage` picks a
-    mutation (MUTATIONS), whose noise seam is the privatizer's per-block stds."""
+    """The privatizer under audit, built by the mechanism's own builder (privacy/mechanism.py) for
+    the audit's plan; `breakage` picks a mutation (MUTATIONS), whose noise seam is the
+    privatizer's per-block stds."""
     mutation = MUTATIONS[breakage]
-    privatizer = Privatizer(
-        model=world.model,
-        partition=world.partition(setup.clip_norm * mutation.threshold_factor),
-        noise_multiplier=noise_multiplier,
+    plan = PrivacyPlan(
+        private=True,
+        dataset_size=setup.dataset_size,
         expected_lot_size=setup.expected_lot_size,
         sample_rate=setup.sample_rate,
-        accountant=PrivacyAccountant(setup.delta, setup.accountant),
-        noise=GaussianNoise(noise),
-        engine=setup.engine,
+        steps=setup.steps,
+        noise_multiplier=noise_multiplier,  # calibrated by the caller (or deliberately 0 in tests)
+        target_epsilon=setup.epsilon,
+        delta=setup.delta,
+        accountant=setup.accountant,
+        planned_epsilon=None,
     )
+    partition = world.partition(setup.clip_norm * mutation.threshold_factor)
+    privatizer = build_privatizer(world.model, partition, plan, GaussianNoise(noise), engine=setup.engine)
     if mutation != MUTATIONS["none"]:
         privatizer.block_stds = mutated_block_stds(mutation, world.partition(setup.clip_norm), privatizer.block_stds, noise_multiplier)
     return privatizer

@@ -3,8 +3,6 @@ as `python -m dpmuon.train` composes it (for scripts, benches and tests)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -14,10 +12,3 @@ from ..paths import CONFIG_DIR
 def compose_config(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
-
-
-def compose_many(override_lists: Iterable[Sequence[str]]) -> Iterator[tuple[Sequence[str], DictConfig]]:
-    """Several configs under one Hydra initialization (much faster than one each)."""
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        for overrides in override_lists:
-            yield overrides, compose(config_name="config", overrides=list(overrides))

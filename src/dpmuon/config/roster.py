@@ -9,7 +9,6 @@ dpmuon.optim.registry) and one YAML. Reads the YAML files only (no Hydra, no tor
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 from dataclasses import dataclass
 
@@ -44,29 +43,6 @@ def optimizer_roster() -> tuple[RosterEntry, ...]:
         cfg = optimizer_yaml(path.stem)
         entries.append(RosterEntry(path.stem, str(cfg.kind), bool(cfg.private), int(cfg.display.rank), str(cfg.display.color)))
     return tuple(sorted(entries, key=lambda e: (e.rank, e.name)))
-
-
-# Keys that describe the YAML (label, builder, display, per-dataset rates), not the optimizer.
-ROSTER_KEYS = ("name", "kind", "private", "display", "recipe_lr")
-
-
-def kind_defaults(kind: str) -> dict:
-    """The hyperparameters conf/optimizer/ gives builder `kind` (of its first YAML in display
-    order), without values that only a composed config can resolve (e.g. the dataset's rate)."""
-    entry = next((e for e in optimizer_roster() if e.kind == kind), None)
-    if entry is None:
-        raise ValueError(f"no conf/optimizer/*.yaml has kind {kind!r}: an optimizer needs one")
-    return copy.deepcopy({k: v for k, v in _literal_values(optimizer_yaml(entry.name)).items() if k not in ROSTER_KEYS})
-
-
-def _literal_values(node: DictConfig) -> dict:
-    out = {}
-    for key in node:
-        if OmegaConf.is_interpolation(node, key):
-            continue
-        value = node[key]
-        out[key] = _literal_values(value) if isinstance(value, DictConfig) else OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-    return out
 
 
 def optimizer_names(private: bool | None = None) -> tuple[str, ...]:

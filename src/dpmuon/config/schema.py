@@ -21,34 +21,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError, one_line, shown_value  # noqa: F401  (ConfigError, one_line: re-exported)
 
 ABSENT = object()
-
-
-class ConfigError(UserError):
-    """A configured value that cannot be used: `<key>=<value>: <what is wrong>; valid: <...>`."""
-
-    def __init__(self, key: str, value: Any, problem: str, valid: str):
-        self.key, self.problem, self.valid = key, problem, valid
-        super().__init__(f"{key}={shown_value(value)}: {one_line(problem)}; valid: {valid}")
-
-
-def shown_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
-def one_line(text: str) -> str:
-    """The first line of a (library) message, so an error stays one line; a first line that
-    announces a list ("… from one of:") is joined with the lines it announces."""
-    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    if not lines:
-        return "invalid"
-    return " ".join(lines) if lines[0].endswith(":") else lines[0]
 
 
 @dataclass(frozen=True)
@@ -235,10 +210,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("data.max_valid_examples", "int", "use only the first N validation examples (null: all)", nullable=True, ge=1),
     Option("data.max_test_sources", "int", "score only the first N test sources (null: all)", nullable=True, ge=1),
     # ---- dataset
-    Choice("dataset.name", ("e2e", "dart"), "the private dataset"),
+    Choice("dataset.name", ("e2e", "dart", "hf"), "the private dataset (hf: your own files through Hugging Face datasets)"),
     Choice("dataset.format", ("prefix", "csv", "json"), "file format read (E2E: prefix or csv; DART: json)"),
     Int("dataset.max_length", "drop training sequences longer than this many tokens", ge=1),
     Option("dataset.exclude_origins", "list", "drop examples of these DART annotation origins, e.g. [e2e]"),
+    Option("dataset.files.train", "text", "hf: the training file (.json/.jsonl, .csv, .txt; relative to the working directory)", nullable=True),
+    Option("dataset.files.validation", "text", "hf: the validation file (null: carved from train by source hash)", nullable=True),
+    Option("dataset.files.test", "text", "hf: the test file (null: carved from train by source hash)", nullable=True),
+    Choice("dataset.builder", ("json", "csv", "text"), "hf: the datasets builder (null: from each file's extension)", nullable=True),
+    Option("dataset.hub_id", "text", "hf: a Hugging Face hub dataset instead of files (downloads)", nullable=True),
+    Option("dataset.hub_config", "text", "hf: the hub dataset's configuration name", nullable=True),
+    Option("dataset.source_key", "text", "hf: the column holding the source (text, mapping or triples)"),
+    Option("dataset.target_key", "text", "hf: the column holding the reference (text or list of texts)"),
+    Float("dataset.holdout_fraction", "hf: share of train sources hashed into each split given no file", gt=0, lt=0.5),
+    Option("dataset.cache_dir", "text", "hf: where the tokenization cache goes (null: <data root>/hf_cache)", nullable=True),
     Float("dataset.epochs", "epochs of the recipe (trainer.epochs defaults to it)", gt=0),
     Float("dataset.delta", "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1),
     # ---- model
@@ -255,6 +240,11 @@ OPTIONS: tuple[Option, ...] = (
     Int("model.intermediate_size", "MLP width (random init; null: 4 × n_embd)", nullable=True, ge=1),
     Bool("model.untie_head", "give the LM head its own parameter instead of the token embedding"),
     Option("model.dropout", "float", "dropout probability (public randomness; null: a pretrained checkpoint's own)", nullable=True, ge=0, lt=1),
+    Int("model.lora.r", "LoRA rank: train adapters on the frozen model (null: full fine-tuning)", nullable=True, ge=1),
+    Float("model.lora.alpha", "LoRA: adapters add (alpha / r) · B A x (null: alpha = r)", nullable=True, gt=0),
+    Float("model.lora.dropout", "LoRA: dropout probability on the adapters' input (public randomness)", ge=0, lt=1),
+    Option("model.lora.target_modules", "list", "LoRA: module names to adapt (null: every attention and MLP projection of gpt2 / Llama-like)", nullable=True),
+    Bool("model.lora.train_embeddings", "LoRA: also train the token embedding and LM head (position embeddings, norms stay frozen)"),
     # ---- optimizer (keys of every kind; each YAML sets those of its kind)
     Option("optimizer.name", "text", "optimizer label (the YAML's file name)"),
     Choice("optimizer.kind", ("sgd", "adam", "muon", "muonbc"), "which builder of dpmuon.optim.registry"),
@@ -298,6 +288,7 @@ OPTIONS: tuple[Option, ...] = (
     Choice("privacy.other_blocks", ("per_tensor", "group"), "blocks of the non-matrix tensors"),
     Choice("privacy.noise_allocation", ("uniform", "proportional"), "noise over blocks"),
     Choice("privacy.engine", ("fast", "opacus"), "per-example gradient engine"),
+    Choice("privacy.engine_fallback", ("generic", "error"), "a trainable module without an engine rule: torch.func per-example gradients, or refuse"),
     Bool("privacy.secure_noise", "lots and noise from the OS CSPRNG (nothing seeded; slower)"),
     Bool("privacy.constant_time", "pad every lot to a fixed bound and fixed shapes, so step time reveals nothing (costs the padding)"),
     Option("privacy.mechanism_seed_file", "text", "owner-only file holding the mechanism seed (null: $DPMUON_MECHANISM_SEED, else OS entropy)", nullable=True),

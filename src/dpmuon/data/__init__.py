@@ -1,7 +1,8 @@
-"""The data layer: raw E2E / DART files → Examples → token ids → padded batches.
+"""The data layer: raw E2E / DART files (or your own through `datasets`) → Examples → token ids → padded batches.
 
-Readers are pure functions of their input file (no caches), and every problem a user can
-fix is raised as `DataError` with the file, the line and what was expected.
+Readers are pure functions of their input file (no caches; the `datasets` reader caches only
+its tokenization, keyed by the file's content), and every problem a user can fix is raised as
+`DataError` with the file, the line (or row) and what was expected.
 """
 
 from dpmuon.data.collate import collate, collate_prompts
@@ -11,9 +12,9 @@ from dpmuon.data.encoding import (
     EncodedExample,
     encode_for_training,
     encode_prompt,
-    encode_training_example,
 )
 from dpmuon.data.errors import DataError
+from dpmuon.data.hf import HFReader, HFSettings
 from dpmuon.data.layout import DATASETS, SPLITS, default_data_root, locate_split
 from dpmuon.data.loading import load_examples
 from dpmuon.data.records import EvalItem, Example, group_references
@@ -26,12 +27,13 @@ __all__ = [
     "EncodedExample",
     "EvalItem",
     "Example",
+    "HFReader",
+    "HFSettings",
     "collate",
     "collate_prompts",
     "default_data_root",
     "encode_for_training",
     "encode_prompt",
-    "encode_training_example",
     "group_references",
     "load_examples",
     "load_tokenizer",

@@ -43,12 +43,6 @@ def _assemble(source_ids: list[int], target_ids: list[int], eos_id: int) -> Enco
     )
 
 
-def encode_training_example(tokenizer: PreTrainedTokenizerBase, example: Example) -> EncodedExample:
-    """Encode one example as ` {source} {eos} {target} {eos}` with prompt labels masked."""
-    source_ids, target_ids = _tokenize(tokenizer, [example.source, example.target])
-    return _assemble(source_ids, target_ids, tokenizer.eos_token_id)
-
-
 def encode_for_training(examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, max_length: int) -> tuple[list[EncodedExample], int]:
     """Encode all examples, dropping those longer than `max_length` tokens in total.
 

@@ -14,6 +14,7 @@ from os import PathLike
 from pathlib import Path
 
 from dpmuon.data.errors import DataError
+from dpmuon.paths import REPO_ROOT, in_checkout
 
 DATASETS = ("e2e", "dart")
 SPLITS = ("train", "valid", "test")
@@ -51,16 +52,13 @@ FETCH_HINT = (
 def default_data_root() -> Path:
     """$DPMUON_DATA_DIR if set, else `<repo root>/data/raw`, else `./data/raw`.
 
-    The repo root is the nearest directory above this file that holds pyproject.toml (an
-    editable checkout); an installed package has none and falls back to the working directory.
+    The repo root is dpmuon.paths's (an editable checkout); an installed package has none and
+    falls back to the working directory.
     """
     configured = os.environ.get(DATA_DIR_VARIABLE)
     if configured:
         return Path(configured).expanduser()
-    for directory in Path(__file__).resolve().parents:
-        if (directory / "pyproject.toml").is_file():
-            return directory / "data" / "raw"
-    return Path.cwd() / "data" / "raw"
+    return (REPO_ROOT if in_checkout() else Path.cwd()) / "data" / "raw"
 
 
 def resolve_format(dataset: str, fmt: str | None) -> str:

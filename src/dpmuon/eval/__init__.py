@@ -2,9 +2,12 @@
 
 - `metrics`: BLEU (sacrebleu) and ROUGE-L (rouge-score) of generations, multi-reference.
 - `paper`: the paper's reported numbers, quoted for comparison.
-- `runs`: reading run directories (summary.json, metrics.jsonl: the run-artifact contract).
+- `runs`: reading run directories (summary.json, metrics.jsonl: the run-artifact contract), the
+  one reader of the folders whose layout dpmuon/run_folder.py names.
 - `grouping`: runs grouped by (optimizer, model, target ε) for averaging over seeds.
 - `tables`, `curves`: the aggregated outputs; `cli` backs scripts/make_tables.py and make_curves.py.
+- `study`: what releasing several runs on one private dataset costs (`dpmuon-study`); the
+  composition itself is dpmuon.privacy.composition's.
 
 Nothing is imported here, so reading runs does not pull in the scorers or matplotlib.
 """

@@ -1,8 +1,10 @@
 """Reading training-run directories (the run-artifact contract: summary.json, metrics.jsonl).
 
-A run directory holds `summary.json` (final numbers and the run's identity) and
-`metrics.jsonl` (one object per logged step). Anything that breaks the contract raises
-RunFormatError naming the file, the line and the key, so a bad run is fixed, not guessed at.
+The one reader of run folders (their layout: dpmuon/run_folder.py): the tables, curves, the
+study, the job runner and the experiment reports find and read runs here. A run directory holds
+`summary.json` (final numbers and the run's identity) and `metrics.jsonl` (one object per logged
+step). Anything that breaks the contract raises RunFormatError naming the file, the line and the
+key, so a bad run is fixed, not guessed at.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-SUMMARY_FILE = "summary.json"
-METRICS_FILE = "metrics.jsonl"
-# A private run's non-private diagnostics (train loss, lot size, ...), owner-only, beside it.
-DIAGNOSTICS_FILE = "diagnostics.jsonl"
+from ..run_folder import DIAGNOSTICS, METRICS, SUMMARY, stored_configs
+
+SUMMARY_FILE = SUMMARY  # the names the eval and experiment modules know them by
+METRICS_FILE = METRICS
+DIAGNOSTICS_FILE = DIAGNOSTICS  # a private run's non-private diagnostics (train loss, lot size, ...), owner-only
 
 REQUIRED_SUMMARY_KEYS = (
     "dataset",
@@ -153,7 +156,7 @@ class Run:
         the run's config (config.yaml as published, .hydra/config.yaml in a run directory)."""
         if "learning_rates" in self.summary:
             return self.summary["learning_rates"]
-        for config in (self.path / "config.yaml", self.path / ".hydra" / "config.yaml"):
+        for config in stored_configs(self.path):
             if config.exists():
                 return learning_rates(OmegaConf.load(config).optimizer)
         raise RunFormatError(f"{self.path / SUMMARY_FILE}: no 'learning_rates', and no config.yaml beside it to read them from")
@@ -184,27 +187,42 @@ def learning_rates(optimizer_config) -> dict[str, float]:
 
 
 def find_runs(paths: Sequence[Path]) -> list[Run]:
-    """Every run directory (one holding summary.json) under `paths`, sorted by path."""
+    """Every finished run directory (one holding summary.json) under `paths`, sorted by path."""
     summary_files: set[Path] = set()
     for root in map(Path, paths):
         if root.is_file() and root.name == SUMMARY_FILE:
             summary_files.add(root.resolve())
         elif root.is_dir():
-            summary_files.update(found.resolve() for found in root.rglob(SUMMARY_FILE) if found.is_file())
+            summary_files.update((run / SUMMARY_FILE).resolve() for run in run_dirs_below(root, (SUMMARY_FILE,)))
         else:
             raise RunFormatError(f"{root}: no such directory (nor a summary.json file)")
     return [Run(path=file.parent, summary=read_summary(file)) for file in sorted(summary_files)]
 
 
+def run_dirs_below(folder: Path, markers: Sequence[str]) -> list[Path]:
+    """`folder` if it holds one of the `markers` files, else the run folders below it, in path
+    order. The search stops at a run: a run's own subfolders (a resume's) are its own."""
+    if any((folder / marker).is_file() for marker in markers):
+        return [folder]
+    return [run for child in sorted(folder.iterdir()) if child.is_dir() for run in run_dirs_below(child, markers)]
+
+
 def read_summary(file: Path) -> dict[str, Any]:
-    try:
-        summary = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RunFormatError(f"{file}: not valid JSON ({error})") from error
-    if not isinstance(summary, dict):
-        raise RunFormatError(f"{file}: expected a JSON object, got {type(summary).__name__}")
+    """summary.json, checked against the artifact contract."""
+    summary = read_json_object(file)
     _check_summary(file, summary)
     return summary
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON object from `file` as it is (readers that need only some keys check those)."""
+    try:
+        record = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RunFormatError(f"{file}: not valid JSON ({error})") from error
+    if not isinstance(record, dict):
+        raise RunFormatError(f"{file}: expected a JSON object, got {type(record).__name__}")
+    return record
 
 
 def read_metrics(file: Path) -> list[dict[str, Any]]:

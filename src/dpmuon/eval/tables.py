@@ -14,14 +14,11 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from dpmuon.eval import study
 from dpmuon.eval.grouping import RunGroup, format_epsilon, group_runs, runs_by_dataset
 from dpmuon.eval.paper import PAPER_CITATION, PAPER_MODEL, paper_result
 from dpmuon.eval.runs import Run, RunFormatError
-
-if TYPE_CHECKING:
-    from dpmuon.privacy import study
 
 NOT_MEASURED = "not measured"
 NOT_APPLICABLE = "—"
@@ -289,16 +286,14 @@ def _study_privacy_notes(runs: Sequence[Run]) -> list[str]:
     """What publishing the table's runs, and the tuning runs that chose their rates, costs together.
 
     Each run's ε holds for that run alone; runs on the same private examples compose
-    (dpmuon.privacy.study). The tuning runs are reproduce_cpu's layout: `tuning/` beside `runs/`.
+    (dpmuon.eval.study). The tuning runs are reproduce_cpu's layout: `tuning/` beside `runs/`.
     """
-    from dpmuon.privacy import study  # here, not at the top: it loads torch, which the other reports skip
-
     try:
         table = [study.read_run(run.path) for run in runs]
         tuning_dirs = _tuning_dirs(runs)
         tuning = [study.read_run(path) for path in study.find_run_dirs(tuning_dirs)] if tuning_dirs else []
         return [line for group in study.group_runs(table + tuning) for line in _study_group_note(group, set(tuning))]
-    except study.StudyError as error:
+    except RunFormatError as error:  # the study's StudyError among them
         raise RunFormatError(f"study-level privacy: {error}") from error
 
 
@@ -308,8 +303,6 @@ def _tuning_dirs(runs: Sequence[Run]) -> list[Path]:
 
 
 def _study_group_note(group: study.StudyGroup, tuning: set[study.RunRecord]) -> list[str]:
-    from dpmuon.privacy import study
-
     delta = group.delta(None)
     private = group.private_runs
     from_table = [run for run in private if run not in tuning]
@@ -325,7 +318,7 @@ def _study_group_note(group: study.StudyGroup, tuning: set[study.RunRecord]) -> 
     at_delta = "" if delta is None else f", δ = {delta:g}"
     alone = "" if group.runs_without_secret_randomness else "; the ε spent column holds for each run alone"
     lines = [f"- Study-level privacy on {group.label()}{at_delta}: {costs or 'no DP runs'}. PRV composition of "
-             f"every charged release (`python -m dpmuon.privacy.study`){alone}."]  # fmt: skip
+             f"every charged release (`python -m dpmuon.eval.study`){alone}."]  # fmt: skip
     if any(run.source == study.RECONSTRUCTED for run in group.private_runs):  # a non-private run has no releases
         lines.append("  Releases are reconstructed from each run's summary.json (runs from before privacy ledgers).")
     if group.non_private_runs:

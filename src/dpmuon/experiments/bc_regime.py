@@ -28,9 +28,10 @@ import secrets
 import sys
 from pathlib import Path
 
-from ..eval.runs import SUMMARY_FILE, Run, read_summary
+from ..eval.runs import Run, read_summary
 from ..jsontext import to_json
-from ..training.plan import PRV_MAX_EPSILON
+from ..privacy.plan import PRV_MAX_EPSILON
+from ..run_folder import SUMMARY, WEIGHTS_FINGERPRINT, is_finished
 from .jobs import REPO, Job, publish, run_jobs
 
 EPSILONS = (8, 32, 128, 1024)
@@ -64,11 +65,11 @@ STUDY_RUNS = REPO / "results" / "e2e" / "runs"  # the committed study, whose rat
 def committed_rate(optimizer: str, study_runs: Path = STUDY_RUNS) -> float:
     """The learning rate the committed study's finals of `optimizer` used (selected by its tuning)."""
     final = study_runs / f"{optimizer}_seed0"
-    return Run(final, read_summary(final / SUMMARY_FILE)).learning_rates["lr"]
+    return Run(final, read_summary(final / SUMMARY)).learning_rates["lr"]
 
 
 def run_overrides(optimizer: str, lr: float, epsilon: float, seed: int) -> tuple[str, ...]:
-    # PRV cannot calibrate ε = 1024 in memory (training/plan.py: PRV_MAX_EPSILON): RDP there.
+    # PRV cannot calibrate ε = 1024 in memory (privacy/plan.py: PRV_MAX_EPSILON): RDP there.
     accountant = ("privacy.accountant=rdp",) if epsilon > PRV_MAX_EPSILON else ()
     return (
         "experiment=pretrained_tiny_e2e",
@@ -158,10 +159,10 @@ def publish_public_model(dest: Path) -> None:
     from ..models import load_pretrained, weights_fingerprint
 
     public_run = REPO / "outputs" / "public_for_e2e" / "seed0"
-    if (dest / "weights_sha256.txt").exists() or not (public_run / "summary.json").exists():
+    if (dest / WEIGHTS_FINGERPRINT).exists() or not is_finished(public_run):
         return
     publish(public_run, dest)
-    (dest / "weights_sha256.txt").write_text(weights_fingerprint(load_pretrained(str(REPO / "models" / "public-for-e2e"))) + "\n")
+    (dest / WEIGHTS_FINGERPRINT).write_text(weights_fingerprint(load_pretrained(str(REPO / "models" / "public-for-e2e"))) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

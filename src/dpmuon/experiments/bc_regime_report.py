@@ -13,7 +13,6 @@ pair (both runs log them; DP-Muon's buffers are the ones DP-MuonBC would correct
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -26,7 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from ..eval.runs import Run, read_run_rows
+from ..eval.runs import SUMMARY_FILE, Run, read_json_object, read_run_rows
 from ..paths import REPO_ROOT
 from ..privacy.randomness import USER_SEED
 from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, RULE, SEEDS
@@ -59,12 +58,12 @@ class RegimeRun:
 
 def load_runs(root: Path) -> list[RegimeRun]:
     runs = []
-    for summary_path in sorted(root.glob("*/*/summary.json")):
+    for summary_path in sorted(root.glob(f"*/*/{SUMMARY_FILE}")):
         run_dir = summary_path.parent
         match = _NAME.match(run_dir.name)
         if match is None:
             continue
-        record = Run(run_dir, json.loads(summary_path.read_text()))
+        record = Run(run_dir, read_json_object(summary_path))
         summary = record.summary
         if summary.get("mechanism_randomness") != USER_SEED:  # its Δ against the seed's other runs would not be paired
             raise ValueError(
@@ -290,7 +289,7 @@ class PretrainedRun:
 
 def load_pretrained(root: Path) -> list[PretrainedRun]:
     out = []
-    for summary in sorted((root / "pretrained").glob("*/summary.json")):
+    for summary in sorted((root / "pretrained").glob(f"*/{SUMMARY_FILE}")):
         match = _PRETRAINED.match(summary.parent.name)
         if match is None:
             continue

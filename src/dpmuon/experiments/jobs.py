@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import REPO_ROOT
+from ..run_folder import PUBLISHED, RUNNER_LOCK, is_finished
 from ..training.mechanism_state import has_saved_state
 from ..training.secret import MECHANISM_SEED_ENV
 
 REPO = REPO_ROOT
-# Published per run: the record, without checkpoints or mechanism state.
-PUBLISHED_FILES = {"summary.json": "summary.json", "metrics.jsonl": "metrics.jsonl", ".hydra/config.yaml": "config.yaml", "generations.txt": "generations.txt"}
 
 
 @dataclass(frozen=True)
@@ -40,13 +39,13 @@ def run_job(job: Job, work: Path, results: Path, threads: int) -> Path:
     """
     run_dir = work / job.stage / job.name
     published = results / job.stage / job.name
-    if (run_dir / "summary.json").exists():
+    if is_finished(run_dir):
         publish(run_dir, published)
         return published
-    if (published / "summary.json").exists():
+    if is_finished(published):
         return published
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = run_dir / "runner.lock"
+    lock = run_dir / RUNNER_LOCK
     if not _take(lock):
         print(f"  {job.stage}/{job.name}: held by another runner, skipped", flush=True)
         return published
@@ -116,6 +115,6 @@ def _take(lock: Path) -> bool:
 
 def publish(run_dir: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    for source, target in PUBLISHED_FILES.items():
+    for source, target in PUBLISHED.items():  # the record, without checkpoints or mechanism state
         if (run_dir / source).exists():
             shutil.copyfile(run_dir / source, dest / target)

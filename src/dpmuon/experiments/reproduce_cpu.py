@@ -4,7 +4,7 @@
     python -m dpmuon.experiments.reproduce_cpu --dataset dart --jobs 2   # two runs at a time, 1 thread each
     python -m dpmuon.experiments.reproduce_cpu --dataset e2e --dry-run   # list the runs
 
-(scripts/reproduce_cpu.py and `dpmuon-reproduce-cpu` run the same.)
+(scripts/reproduce_cpu.py runs the same.)
 
 Stages (each skips what is already done — a run whose working directory or published copy
 under results/ has a summary.json — and resumes killed runs):
@@ -23,7 +23,6 @@ under results/ has a summary.json — and resumes killed runs):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -31,7 +30,8 @@ import sys
 from pathlib import Path
 
 from ..config.roster import optimizer_names
-from ..eval.runs import SUMMARY_FILE, Run, read_summary
+from ..eval.runs import Run, read_metrics, read_summary
+from ..run_folder import METRICS, SUMMARY, WEIGHTS_FINGERPRINT, is_finished
 from .jobs import REPO, Job, publish, run_jobs
 
 DP_OPTIMIZERS = optimizer_names(private=True)  # conf/optimizer/*.yaml with private: true
@@ -103,7 +103,7 @@ def run_all(jobs: list[Job], work: Path, results: Path, parallel: int) -> list[d
     published_dirs = run_jobs(jobs, work, results, threads, parallel)
     summaries = []
     for published in published_dirs:
-        run = Run(published, read_summary(published / SUMMARY_FILE))
+        run = Run(published, read_summary(published / SUMMARY))
         summaries.append({**run.summary, "learning_rate": run.learning_rates["lr"]})
     return summaries
 
@@ -117,18 +117,18 @@ def public_record(results: Path, public_run: Path, fingerprint: str) -> Path:
     over the record of the model that earlier runs started from.
     """
     first = results / "public_pretraining"
-    if not (first / "summary.json").exists():
+    if not is_finished(first):
         return first
-    recorded = first / "weights_sha256.txt"
+    recorded = first / WEIGHTS_FINGERPRINT
     if recorded.exists():
         same = recorded.read_text().strip() == fingerprint
     else:  # a record from before fingerprints: compare the training trajectories
-        same = _losses(first / "metrics.jsonl") == _losses(public_run / "metrics.jsonl")
+        same = _losses(first / METRICS) == _losses(public_run / METRICS)
     return first if same else results / f"public_pretraining-{fingerprint[:12]}"
 
 
 def _losses(metrics: Path) -> list:
-    return [json.loads(line).get("train_loss") for line in metrics.read_text().splitlines() if line.strip()]
+    return [row.get("train_loss") for row in read_metrics(metrics)]
 
 
 def publish_public_model(dataset: str, results: Path) -> None:
@@ -136,12 +136,12 @@ def publish_public_model(dataset: str, results: Path) -> None:
     from dpmuon.models import load_pretrained, weights_fingerprint
 
     public_run = REPO / "outputs" / f"public_for_{dataset}" / "seed0"
-    if not (public_run / "summary.json").exists():
+    if not is_finished(public_run):
         return
     fingerprint = weights_fingerprint(load_pretrained(str(REPO / "models" / f"public-for-{dataset}")))
     record = public_record(results, public_run, fingerprint)
     publish(public_run, record)
-    (record / "weights_sha256.txt").write_text(fingerprint + "\n")
+    (record / WEIGHTS_FINGERPRINT).write_text(fingerprint + "\n")
     print(f"[{dataset}] public model {fingerprint[:12]}: provenance in {record}", flush=True)
 
 

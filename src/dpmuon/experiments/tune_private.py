@@ -15,7 +15,7 @@ and one run's ε, and — secret — K and every candidate.
 What the bound covers, and what it does not:
 - Only the chosen trial may be published. K, the other candidates and their run directories
   must stay private: released, they leave only the composition of all K runs
-  (`python -m dpmuon.privacy.study <out>`), and K alone already undoes the random stopping.
+  (`python -m dpmuon.eval.study <out>`), and K alone already undoes the random stopping.
 - Each trial is Q = (draw hyperparameters, train with DP, score). The score (val_nll) is a
   function of the trained model and the validation split, so for neighbouring *training* sets
   (validation split fixed) Q's privacy is the training run's, and the theorem covers the
@@ -41,8 +41,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import run_folder
+from ..eval import study
 from ..jsontext import to_json
-from ..privacy import study
+from ..privacy.composition import composed_epsilon
 from ..privacy.tuning import TruncatedNegativeBinomial, tuning_bound
 from ..training.secret import MECHANISM_SEED_ENV
 
@@ -57,7 +59,7 @@ RANDOM_STOPPING = "random stopping (Papernot & Steinke 2022, Theorem 2): K ~ tru
 SECRET_NOTE = (
     "keep this object private: publishing the number of trials, the candidates, or any run but the chosen "
     "one voids the random-stopping bound; then only the composition of all trials holds "
-    "(python -m dpmuon.privacy.study)"
+    "(python -m dpmuon.eval.study)"
 )
 
 
@@ -176,7 +178,7 @@ def run_trial(trial: Trial, train_command: list[str], overrides: list[str]) -> N
     ]  # fmt: skip
     with open(trial.run_dir / "tune_private.log", "w") as log:
         trial.returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-    summary = trial.run_dir / study.SUMMARY_FILE
+    summary = trial.run_dir / run_folder.SUMMARY
     if trial.returncode == 0 and summary.is_file():
         score = json.loads(summary.read_text()).get("val_nll")
         trial.val_nll = float(score) if isinstance(score, (int, float)) and math.isfinite(score) else None
@@ -197,9 +199,9 @@ def privacy_of(trials: list[Trial], distribution: TruncatedNegativeBinomial | No
     if any(not record.private for record in records):
         raise TuningError("a trial ran without noise: tuning on private data needs DP trials")
     delta = groups[0].delta(delta)
-    base = max(study.composed_epsilon([record], delta) for record in records)
+    base = max(composed_epsilon([record], delta) for record in records)
     if distribution is None:
-        return {"epsilon": study.composed_epsilon(records, delta), "delta": delta, "base_epsilon": base, "private_selection": False}
+        return {"epsilon": composed_epsilon(records, delta), "delta": delta, "base_epsilon": base, "private_selection": False}
     bound = tuning_bound([list(record.history) for record in records], delta, distribution)
     return {"epsilon": bound.epsilon, "delta": delta, "base_epsilon": bound.base_epsilon, "private_selection": True, "bound": bound.as_dict()}
 

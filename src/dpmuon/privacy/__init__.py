@@ -1,55 +1,60 @@
 """The private release: sample → clip → noise → account. Nothing else in dpmuon reads data
-under the privacy guarantee; everything downstream is post-processing of the release."""
+under the privacy guarantee; everything downstream is post-processing of the release.
 
-from .accountant import (
-    ACCOUNTANTS,
-    NullAccountant,
-    PrivacyAccountant,
-    calibrate_noise_multiplier,
-    epsilon_after,
-    plan_steps,
-)
-from .blocks import Block, BlockPartition, build_partition
-from .clipping import clip_factors, per_example_block_norms
-from .distributed import DataParallel, init_data_parallel
-from .engines import ENGINES, build_engine
-from .ledger import LEDGER_FILE, LedgerMismatchError, PrivacyLedger, release_digest
-from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
-from .privatizer import NonFiniteReleaseError, NonPrivateRelease, Privatizer, ReleaseStats, ReplayMismatchError
-from .randomness import MechanismRandomness, SecretStream
-from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler
+The names below load their module on first use (PEP 562), so that a light import such as
+`dpmuon.privacy.accountant` (the report scripts', the calibration CLI's) does not load the
+per-example engines and the rest of the mechanism.
+"""
 
-__all__ = [
-    "ACCOUNTANTS",
-    "Block",
-    "BlockPartition",
-    "DataParallel",
-    "ENGINES",
-    "GaussianNoise",
-    "LEDGER_FILE",
-    "LedgerMismatchError",
-    "MechanismRandomness",
-    "NonFiniteReleaseError",
-    "NonPrivateRelease",
-    "NullAccountant",
-    "PoissonLotSampler",
-    "PrivacyAccountant",
-    "PrivacyLedger",
-    "Privatizer",
-    "ReleaseStats",
-    "ReplayMismatchError",
-    "SecretStream",
-    "ShuffleLotSampler",
-    "block_noise_stds",
-    "build_engine",
-    "build_lot_sampler",
-    "build_partition",
-    "calibrate_noise_multiplier",
-    "clip_factors",
-    "effective_noise_multiplier",
-    "epsilon_after",
-    "init_data_parallel",
-    "per_example_block_norms",
-    "plan_steps",
-    "release_digest",
-]
+from __future__ import annotations
+
+import importlib
+
+# name → the submodule that defines it
+_EXPORTS = {
+    "ACCOUNTANTS": "accountant",
+    "NullAccountant": "accountant",
+    "PrivacyAccountant": "accountant",
+    "calibrate_noise_multiplier": "accountant",
+    "epsilon_after": "accountant",
+    "plan_steps": "accountant",
+    "Block": "blocks",
+    "BlockPartition": "blocks",
+    "build_partition": "blocks",
+    "clip_factors": "clipping",
+    "per_example_block_norms": "clipping",
+    "DataParallel": "distributed",
+    "init_data_parallel": "distributed",
+    "ENGINES": "engines",
+    "build_engine": "engines",
+    "LEDGER_FILE": "ledger",
+    "LedgerMismatchError": "ledger",
+    "PrivacyLedger": "ledger",
+    "release_digest": "ledger",
+    "GaussianNoise": "noise",
+    "block_noise_stds": "noise",
+    "NonFiniteReleaseError": "privatizer",
+    "NonPrivateRelease": "privatizer",
+    "Privatizer": "privatizer",
+    "ReleaseStats": "privatizer",
+    "ReplayMismatchError": "privatizer",
+    "MechanismRandomness": "randomness",
+    "SecretStream": "randomness",
+    "PoissonLotSampler": "sampling",
+    "ShuffleLotSampler": "sampling",
+    "build_lot_sampler": "sampling",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

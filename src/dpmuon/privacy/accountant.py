@@ -13,9 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from opacus.accountants import create_accountant
-from opacus.accountants.utils import get_noise_multiplier
-
 ACCOUNTANTS = ("prv", "rdp")
 # Binary-search precision of σ calibration, in units of ε (Opacus' epsilon_tolerance).
 CALIBRATION_TOLERANCE = 0.01
@@ -77,6 +74,10 @@ def _epsilon_kwargs(accountant: str) -> dict:
 
 
 def _opacus_epsilon(accountant: str, history: list[tuple[float, float, int]], delta: float) -> float:
+    # Opacus is imported where it computes: it loads torch, which reading recorded histories
+    # (the study, the tables, this module's importers) does not need.
+    from opacus.accountants import create_accountant
+
     acc = create_accountant(mechanism=accountant)
     acc.history = history
     with warnings.catch_warnings():
@@ -134,6 +135,8 @@ def calibrate_noise_multiplier(
     ideal_target = target_epsilon - steps * slack.epsilon
     if not ideal_target > 0:
         raise ValueError(f"the releases' float slack alone ({steps * slack.epsilon:.3g}) exceeds target epsilon {target_epsilon}")
+    from opacus.accountants.utils import get_noise_multiplier  # as in _opacus_epsilon: it loads torch
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
         sigma = get_noise_multiplier(
@@ -201,11 +204,3 @@ class PrivacyAccountant:
             return epsilon_after(*history[0], self.delta, self.mechanism, self.slack)
         steps = sum(n for _, _, n in history)
         return self.slack.epsilon_of(steps, self.delta, lambda d: _opacus_epsilon(self.mechanism, history, d))
-
-    def state_dict(self) -> dict:
-        return {"delta": self.delta, "mechanism": self.mechanism, "history": [list(h) for h in self.history]}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["mechanism"] != self.mechanism or state["delta"] != self.delta:
-            raise ValueError(f"stored accountant ({state['mechanism']}, δ={state['delta']}) does not match this run ({self.mechanism}, δ={self.delta})")
-        self.history = [(float(s), float(q), int(n)) for s, q, n in state["history"]]

@@ -9,7 +9,7 @@ release.
 
 ε spent is always the composition of the charged lines. A step re-run after a resume that
 releases a bit-identical gradient reveals nothing new and is written uncharged; any other
-re-release is a new release and is charged. `python -m dpmuon.privacy.study` composes the
+re-release is a new release and is charged. `python -m dpmuon.eval.study` composes the
 ledgers of several runs on the same data.
 
 The ledger is a hash chain, so that a resume cannot silently forget a release: every line after
@@ -37,13 +37,16 @@ import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..durable import fsync_dir
 from ..jsontext import to_json
+from ..run_folder import LEDGER
 
-LEDGER_FILE = "privacy_ledger.jsonl"
+if TYPE_CHECKING:
+    import torch
+
+LEDGER_FILE = LEDGER  # in the run folder (run_folder.py names every file a run writes)
 FORMAT = 2  # 1: before the hash chain (no `prev`, no `run_id`)
 # Header fields that must agree between a ledger on disk and the run that continues it.
 IDENTITY = ("dataset", "dataset_size", "delta", "accountant")
@@ -60,6 +63,8 @@ class LedgerIntegrityError(ValueError):
 
 def release_digest(released: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over each released tensor's name, dtype, shape and bytes, in order."""
+    import torch  # here: the ledger's readers (the study, the tables) never load torch
+
     h = hashlib.sha256()
     for name, tensor in released.items():
         t = tensor.detach().contiguous().cpu()

@@ -35,13 +35,6 @@ def block_noise_stds(partition: BlockPartition, noise_multiplier: float, allocat
     raise ValueError(f"unknown noise allocation {allocation!r}; valid: {', '.join(NOISE_ALLOCATIONS)}")
 
 
-def effective_noise_multiplier(partition: BlockPartition, stds: list[float]) -> float:
-    """σ_eff = 1 / sqrt(Σ_W C_W² / std_W²): the multiplier of the whitened joint mechanism."""
-    if any(s == 0 for s in stds):
-        return 0.0
-    return 1.0 / math.sqrt(sum((b.threshold / s) ** 2 for b, s in zip(partition.blocks, stds)))
-
-
 class GaussianNoise:
     """Source of N(0, 1) draws in float64: a secret stream (privacy/randomness.py; by default a
     fresh one keyed from OS entropy), or the OS CSPRNG in secure mode. One call is one draw of the

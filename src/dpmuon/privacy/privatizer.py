@@ -24,7 +24,7 @@ from .blocks import BlockPartition
 from .distributed import SINGLE, DataParallel
 from .engines import PerExampleLoss, build_engine
 from .ledger import PrivacyLedger, release_digest
-from .noise import GaussianNoise, block_noise_stds, effective_noise_multiplier
+from .noise import GaussianNoise, block_noise_stds
 
 
 class NonFiniteReleaseError(RuntimeError):
@@ -95,6 +95,7 @@ class Privatizer:
     noise: GaussianNoise = field(default_factory=GaussianNoise)
     noise_allocation: str = "uniform"
     engine: str = "fast"  # as privacy.engine defaults to
+    engine_fallback: str = "generic"  # privacy.engine_fallback: modules without a rule get torch.func gradients, or "error"
     parallel: DataParallel = SINGLE  # this rank's place; micro_batches are then its shard of the lot
     ledger: PrivacyLedger | None = None  # durable record of every release (rank 0 writes it)
     constant_time: bool = False  # lots padded to a fixed size: the engine's work must not depend on the real rows
@@ -104,10 +105,10 @@ class Privatizer:
     def __post_init__(self):
         if self.expected_lot_size <= 0:
             raise ValueError(f"expected lot size must be > 0, got {self.expected_lot_size}")
-        self._engine = build_engine(self.engine, self.model, self.partition, self.constant_time)
+        self._engine = build_engine(self.engine, self.model, self.partition, self.constant_time, fallback=self.engine_fallback)
+        self.engine_note = self._engine.fallback_summary  # the run log's line on fallback modules (None: none)
         self.params = self._engine.params
         self.block_stds = block_noise_stds(self.partition, self.noise_multiplier, self.noise_allocation)
-        self.effective_noise_multiplier = effective_noise_multiplier(self.partition, self.block_stds)
         # Whether a re-run step may draw the noise of its earlier release again: true for seeded
         # noise restored from saved state, false in secure mode and after a fresh reseed.
         self.noise_may_repeat = not self.noise.secure
@@ -266,9 +267,6 @@ class NonPrivateRelease:
         for p, grad in zip(self.params.values(), grads):
             p.grad = grad / stats.lot_size if stats.lot_size else grad
         return stats
-
-    def epsilon(self) -> None:
-        return self.accountant.epsilon()
 
     def close(self) -> None:
         pass

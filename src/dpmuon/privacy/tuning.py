@@ -13,7 +13,7 @@ for every λ > 1 and λ̂ ≥ 1. Here Q's RDP curve comes from Opacus' RDP accou
 ε-DP Q (RDP ε at every order) λ, λ̂ → ∞ gives their corollary: (2 + η)ε-DP.
 
 The bound holds only if K stays secret and nothing but the best run is released: publishing
-K, or the other runs, leaves only the composition of the K runs (`python -m dpmuon.privacy.study`).
+K, or the other runs, leaves only the composition of the K runs (`python -m dpmuon.eval.study`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""Checkpoints: everything needed to continue a run exactly where it stopped.
+"""Checkpoints: the public half of what a resume continues from.
 
-Model and optimizer (momentum buffers and their public noise variance), every random stream
-(lot sampler, privacy noise, DP-MuonBC probes, torch's global RNG for dropout), the accountant
-ledger and the privacy plan (a resume may never reset or change the mechanism).
+Model, optimizer (momentum buffers and their public noise variance) and scheduler, the public
+random streams (DP-MuonBC probes, torch's global RNG for dropout), the privacy plan and the
+config identity (a resume may never change the mechanism), and the head and length of the
+privacy ledger (a resume refuses a ledger that lost lines). The lot sampler's and the noise's
+states are secret and live in the mechanism state (mechanism_state.py); ε is not stored at all:
+it is recomposed from the ledger's charged lines.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from typing import Any
 
 import torch
 
+from .. import run_folder
 from .run_files import atomic_write
 
-CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_FILE = run_folder.CHECKPOINT
 
 
 def rng_snapshot(generators: dict[str, torch.Generator]) -> dict[str, Any]:

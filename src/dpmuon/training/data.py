@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..data import EncodedExample, EvalItem, Example, encode_for_training, group_references, load_examples
+from ..data import EncodedExample, EvalItem, Example, HFReader, HFSettings, default_data_root, encode_for_training, group_references, load_examples
 
 
 @dataclass
@@ -24,20 +24,28 @@ def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int
     name, fmt, root = dataset["name"], dataset.get("format"), data.get("root")
     exclude = tuple(dataset.get("exclude_origins") or ())
 
-    def load(split: str):
-        return load_examples(name, split, root, fmt, exclude_origins=exclude)
+    if name == "hf":  # your own data through `datasets`: its tokenization is cached (data/hf.py)
+        reader = HFReader(HFSettings.from_config(dataset, default_data_root() if root is None else root), tokenizer)
+        load, encode = reader.examples, reader.encode
+    else:
+
+        def load(split: str):
+            return load_examples(name, split, root, fmt, exclude_origins=exclude)
+
+        def encode(examples, max_length: int):
+            return encode_for_training(examples, tokenizer, max_length)
 
     train_raw = _first(load("train"), data.get("max_train_examples"))
-    train, dropped = encode_for_training(train_raw, tokenizer, int(dataset["max_length"]))
+    train, dropped = encode(train_raw, int(dataset["max_length"]))
     log(f"{name} train: {len(train):,} examples ({dropped:,} dropped as longer than {dataset['max_length']} tokens)")
 
     valid_raw = _first(load("valid"), data.get("max_valid_examples"))
-    valid, dropped = encode_for_training(valid_raw, tokenizer, context_length)
+    valid, dropped = encode(valid_raw, context_length)
     log(f"{name} valid: {len(valid):,} examples for validation NLL ({dropped} beyond the context length)")
 
     test_items = _first(group_references(load("test")), data.get("max_test_sources"))
     pairs = [Example(item.source, ref) for item in test_items for ref in item.references]
-    test, dropped = encode_for_training(pairs, tokenizer, context_length)
+    test, dropped = encode(pairs, context_length)
     log(f"{name} test: {len(test_items):,} sources, {len(test):,} reference pairs ({dropped} beyond the context length)")
     return RunData(train, valid, test_items, test, train_fingerprint(train))
 
@@ -47,7 +55,7 @@ def train_fingerprint(train: Sequence[EncodedExample]) -> str:
 
     The content, not where it was read from: the same examples under another path, format
     directory or data root are the same private set (and a resume on other examples is
-    refused). Study-level accounting does not rely on it: `dpmuon.privacy.study` composes every
+    refused). Study-level accounting does not rely on it: `dpmuon.eval.study` composes every
     run on a dataset, whatever subset it used.
 
     A hash of the examples is a deterministic function of the private data outside the DP

@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+from .. import run_folder
 from .run_files import MetricsLog
 
 
@@ -32,7 +33,7 @@ class LocalLogger(NullLogger):
     """metrics.jsonl in the run directory (crash-safe appends)."""
 
     def __init__(self, run_dir: Path):
-        self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl")
+        self.metrics = MetricsLog(Path(run_dir) / run_folder.METRICS)
 
     def log(self, row: Mapping, publish: bool = True) -> None:
         self.metrics.append(dict(row))

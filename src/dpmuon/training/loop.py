@@ -9,7 +9,6 @@ The private part is three lines per step — sample a lot, `privatizer.release(.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import signal
 import statistics
@@ -23,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from .. import run_folder
 from ..config.schema import blamed_on, one_line
 from ..config.schema import validate as validate_config
 from ..data import DataError, load_tokenizer
@@ -30,30 +30,32 @@ from ..diagnostics import OracleAlignment
 from ..errors import UserError
 from ..eval.curves import write_curves
 from ..eval.metrics import SCORE_KEYS, score
-from ..eval.runs import DIAGNOSTICS_FILE, Run, RunSummary, learning_rates
-from ..models import build_model, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss, weights_fingerprint
+from ..eval.runs import Run, RunSummary, learning_rates
+from ..models import (
+    build_model,
+    context_length,
+    hidden_matrices,
+    is_lora,
+    lm_head_is_tied,
+    per_example_lm_loss,
+    save_adapter,
+    weights_fingerprint,
+)
 from ..optim import OptimizerInputs, build_optimizer
 from ..optim.schedules import build_scheduler
 from ..outcomes import NON_FINITE, Interrupted
 from ..privacy import (
     LEDGER_FILE,
-    GaussianNoise,
-    LedgerMismatchError,
     MechanismRandomness,
     NonFiniteReleaseError,
-    NonPrivateRelease,
-    PrivacyAccountant,
     PrivacyLedger,
-    Privatizer,
     ReplayMismatchError,
     ShuffleLotSampler,
-    build_lot_sampler,
-    build_partition,
 )
-from ..privacy.blocks import BlockPartition, partition_summary
 from ..privacy.distributed import DataParallel, init_data_parallel
 from ..privacy.ledger import LedgerIntegrityError
-from ..privacy.lot_bound import lot_bound
+from ..privacy.mechanism import Mechanism, PrivacySettings, build_mechanism, check_plan_inputs
+from ..privacy.plan import PrivacyPlan, check_resume_compatible
 from .batching import lot_micro_batches
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_restore, rng_snapshot, save_checkpoint
 from .data import RunData, prepare_data
@@ -68,11 +70,10 @@ from .mechanism_state import (
     save_mechanism_state,
     saved_mechanism_states,
 )
-from .plan import PrivacyPlan, check_private_inputs, check_resume_compatible, make_plan, plan_length, within_budget
 from .run_files import MetricsLog, atomic_write, atomic_write_json, code_version, command_line, freeze_times, repo_relative
 from .run_identity import check_same_run, config_identity, run_dir_claimed
 from .runtime import StopRequest, autocast_factory, log, resolve_device, resolve_precision
-from .secret import STRONG_SEED, WEAK_SEED_WARNING, record_seed_use, user_mechanism_secret
+from .secret import record_seed_use, user_mechanism_secret
 
 
 @dataclass
@@ -86,17 +87,12 @@ class Training:
     autocast: Callable
     tokenizer: Any
     data: RunData
-    plan: PrivacyPlan
     model: torch.nn.Module
     initial_weights: str  # fingerprint before any checkpoint is loaded: the run's starting point
-    randomness: MechanismRandomness
+    mechanism: Mechanism  # plan, secret randomness, ledger, partition, release and lot sampler
     generators: dict[str, torch.Generator]
     named: dict[str, torch.nn.Parameter]
-    ledger: PrivacyLedger | None
-    partition: BlockPartition | None
-    release: Privatizer | NonPrivateRelease  # its accountant: a NullAccountant when non-private
     optimizer: torch.optim.Optimizer
-    sampler: Any
     scheduler: Any
     oracle: OracleAlignment | None
     fixed_width: int | None  # fixed micro-batch shapes (bf16): see training/batching.py
@@ -107,6 +103,10 @@ class Training:
     start_step: int = 0
     last_step: int = 0
     train_seconds: float = 0.0
+
+    @property
+    def plan(self) -> PrivacyPlan:
+        return self.mechanism.plan
 
     @property
     def private(self) -> bool:
@@ -161,7 +161,7 @@ def run_claimed(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         resume(t)
         stop_reason = train(t)
     finally:
-        t.release.close()
+        t.mechanism.close()
         t.parallel.leave()  # nothing after training is collective: rank 0 evaluates alone
     if not t.parallel.is_main:  # rank 0 evaluates and writes the artifacts
         return None
@@ -208,33 +208,24 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
             f"cannot read {err.filename or 'the data'}: {err.strerror or one_line(err)}; "
             "data.root sets the data folder (null: $DPMUON_DATA_DIR, else data/raw/)"
         ) from err
-    check_plan_inputs(cfg, len(data.train))  # δ < 1/N and the other plan checks need only N: before the model
+    settings = privacy_settings(cfg)
+    check_plan_inputs(settings, len(data.train))  # δ < 1/N and the other plan checks need only N: before the model
     with blamed_on("model.name_or_path", cfg.model.name_or_path):
         model = build_model(cfg.model, tokenizer, seed=int(cfg.seed)).to(device)
     initial_weights = weights_fingerprint(model)
     matrices = hidden_matrices(model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    # σ is calibrated with what the release's float noise costs, which grows with its size.
-    plan = privacy_plan(cfg, len(data.train), released_coordinates=sum(p.numel() for p in named.values()))
-
-    # The mechanism's randomness is secret (never from `seed`); `seed` drives what is public.
-    randomness = mechanism_randomness(cfg, parallel)
+    mechanism = run_mechanism(cfg, settings, run_dir, model, len(data.train), matrices, parallel)
+    plan = mechanism.plan
     generators = {"probes": torch.Generator(device=device).manual_seed(int(cfg.seed) * 3 + 3)}
-    ledger = open_ledger(cfg, run_dir, plan, data, parallel)
-    noise = GaussianNoise(randomness.noise, secure=randomness.secure)
-    partition, release = build_release(cfg, model, named, matrices, plan, noise, parallel, ledger)
     optimizer = build_optimizer(
         cfg.optimizer.kind,
-        OptimizerInputs(params=named, hidden_matrices=matrices, release_noise_std=release.release_noise_std(), generator=generators["probes"]),
+        OptimizerInputs(params=named, hidden_matrices=matrices, release_noise_std=mechanism.release_noise_std(), generator=generators["probes"]),
         OmegaConf.to_container(cfg.optimizer, resolve=True),
-    )
-    sampling = cfg.privacy.sampling if plan.private else "poisson"
-    sampler = build_lot_sampler(
-        sampling, plan.dataset_size, plan.expected_lot_size, randomness.sampler, secure=randomness.secure, max_lot_size=plan.max_lot_size
     )
     with blamed_on("optimizer.warmup_steps", cfg.optimizer.warmup_steps):
         scheduler = build_scheduler(optimizer, cfg.optimizer.schedule, plan.steps, int(cfg.optimizer.warmup_steps))
-    oracle = build_oracle(cfg, getattr(optimizer, "parts", {}).get("muon"), {p: n for n, p in named.items()}, release, parallel)
+    oracle = build_oracle(cfg, getattr(optimizer, "parts", {}).get("muon"), {p: n for n, p in named.items()}, mechanism.release, parallel)
     # Under bf16 a kernel's rounding depends on the batch shape: fixed shapes keep each example's
     # clipped contribution independent of the rest of the lot (see training/batching.py).
     # Constant-time lots need them too: a micro-batch's width would time its longest example.
@@ -244,68 +235,72 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     if plan.private and not constant and diagnostics_mode(cfg) != "publish":
         log("privacy.constant_time=false: step times track the lot sizes, and so do the times W&B, the console and the file times record")
     return Training(
-        cfg,
-        run_dir,
-        device,
-        parallel,
-        autocast_factory(cfg.trainer.precision, device),
-        tokenizer,
-        data,
-        plan,
-        model,
-        initial_weights,
-        randomness,
-        generators,
-        named,
-        ledger,
-        partition,
-        release,
-        optimizer,
-        sampler,
-        scheduler,
-        oracle,
-        min(int(cfg.dataset.max_length), max_length) if fixed_shape else None,
-        MetricsLog(run_dir / "metrics.jsonl"),
-        diagnostic_rows=MetricsLog(run_dir / DIAGNOSTICS_FILE, secret=True) if own_file else None,
+        cfg=cfg,
+        run_dir=run_dir,
+        device=device,
+        parallel=parallel,
+        autocast=autocast_factory(cfg.trainer.precision, device),
+        tokenizer=tokenizer,
+        data=data,
+        model=model,
+        initial_weights=initial_weights,
+        mechanism=mechanism,
+        generators=generators,
+        named=named,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        oracle=oracle,
+        fixed_width=min(int(cfg.dataset.max_length), max_length) if fixed_shape else None,
+        metrics=MetricsLog(run_dir / run_folder.METRICS),
+        diagnostic_rows=MetricsLog(run_dir / run_folder.DIAGNOSTICS, secret=True) if own_file else None,
         padded_rows=-(-plan.max_lot_size // parallel.world_size) if constant else None,  # shard() gives rank 0 the most
     )
 
 
-def check_plan_inputs(cfg: DictConfig, dataset_size: int) -> None:
-    """The plan's checks that need only N (the lot, the steps, δ < 1/N, the accountant's range)."""
-    plan_length(dataset_size, int(cfg.privacy.expected_lot_size), cfg.trainer.epochs, cfg.trainer.steps)
-    if cfg.optimizer.private:
-        check_private_inputs(dataset_size, float(cfg.privacy.target_epsilon), float(cfg.privacy.delta), str(cfg.privacy.accountant))
+def run_mechanism(
+    cfg: DictConfig, settings: PrivacySettings, run_dir: Path, model: torch.nn.Module, dataset_size: int, matrices: dict, parallel: DataParallel
+) -> Mechanism:
+    """The run's mechanism (privacy/mechanism.py), its ledger in the run directory."""
+    if settings.private and parallel.is_main:
+        check_ledger_kept(run_dir)
+    # The mechanism's randomness is secret (never from `seed`); `seed` drives what is public.
+    return build_mechanism(
+        model,
+        dataset_size,
+        settings,
+        hidden_matrices=matrices,
+        user_secret=user_mechanism_secret(cfg),
+        run_dir=run_dir,
+        dataset_name=cfg.dataset.name,
+        public_seed=int(cfg.seed),
+        parallel=parallel,
+        log=log,
+    )
 
 
-def privacy_plan(cfg: DictConfig, dataset_size: int, released_coordinates: int) -> PrivacyPlan:
-    """q, steps and σ, fixed before step 1 (and said)."""
-    max_lot_size, truncation = lot_limit(cfg, dataset_size)
-    plan = make_plan(
-        max_lot_size=max_lot_size,
-        truncation_probability=truncation,
-        released_coordinates=released_coordinates,
-        private=bool(cfg.optimizer.private),
-        dataset_size=dataset_size,
-        expected_lot_size=int(cfg.privacy.expected_lot_size),
+def privacy_settings(cfg: DictConfig) -> PrivacySettings:
+    """The mechanism's settings in a run's config (privacy.*, trainer.epochs/steps, optimizer.private)."""
+    privacy = cfg.privacy
+    return PrivacySettings(
+        target_epsilon=float(privacy.target_epsilon),
+        delta=float(privacy.delta),
+        expected_lot_size=int(privacy.expected_lot_size),
         epochs=cfg.trainer.epochs,
         steps=cfg.trainer.steps,
-        target_epsilon=float(cfg.privacy.target_epsilon),
-        delta=float(cfg.privacy.delta),
-        accountant=str(cfg.privacy.accountant),
-        noise_multiplier=cfg.privacy.noise_multiplier,
+        noise_multiplier=privacy.noise_multiplier,
+        accountant=str(privacy.accountant),
+        clip_mode=str(privacy.clip_mode),
+        clip_norm=float(privacy.clip_norm),
+        threshold_rule=str(privacy.threshold_rule),
+        other_blocks=str(privacy.other_blocks),
+        noise_allocation=str(privacy.noise_allocation),
+        engine=str(privacy.engine),
+        engine_fallback=str(privacy.get("engine_fallback", "generic")),
+        sampling=str(privacy.sampling),
+        secure_noise=bool(privacy.secure_noise),
+        constant_time=bool(privacy.get("constant_time", False)),  # a run stored before the key: off
+        private=bool(cfg.optimizer.private),
     )
-    if plan.private:
-        log(
-            f"privacy plan: N={plan.dataset_size:,}, q={plan.sample_rate:.5f}, {plan.steps} steps, "
-            f"σ={plan.noise_multiplier:.4f} → ε={plan.planned_epsilon:.4f} ≤ {plan.target_epsilon} at δ={plan.delta:g} "
-            f"(δ·N={plan.delta_times_n:.3g}, {plan.accountant}; the float64 release of {plan.released_coordinates:,} "
-            f"coordinates adds {plan.steps * plan.slack.epsilon:.2g} to ε)"
-            + (f"; constant-time lots of {plan.max_lot_size} rows (truncated w.p. {plan.truncation_probability:.2g} per step)" if max_lot_size else "")
-        )
-    else:
-        log(f"NON-PRIVATE reference run: N={plan.dataset_size:,}, {plan.steps} steps, no clipping, no noise")
-    return plan
 
 
 # ---- resume ------------------------------------------------------------------------------------
@@ -318,7 +313,7 @@ def resume(t: Training) -> None:
     if state is not None:
         check_same_run(state.get("config_identity"), t.cfg, t.run_dir)
         check_resume_compatible(state["plan"], t.plan)
-        verify_ledger(t.ledger, state, CHECKPOINT_FILE)
+        verify_ledger(t.mechanism.ledger, state, CHECKPOINT_FILE)
         t.model.load_state_dict(state["model"])
         t.optimizer.load_state_dict(state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
@@ -327,7 +322,7 @@ def resume(t: Training) -> None:
     t.last_step = t.start_step
     saved = None
     if t.private:
-        saved = restore_mechanism(t.randomness, t.sampler, t.release, t.mechanism_state_path, t.start_step, t.ledger, t.parallel)
+        saved = restore_mechanism(t.mechanism, t.mechanism_state_path, t.start_step)
         if saved is not None and saved.get("data_fingerprint", t.data.train_source) != t.data.train_source:
             raise UserError(
                 f"cannot resume {t.run_dir}: its training examples differ from the ones this run started on "
@@ -335,8 +330,8 @@ def resume(t: Training) -> None:
             )
     if t.oracle is not None and t.start_step > 0:
         restore_oracle(t.oracle, saved, t.start_step)
-    if state is not None or (t.ledger is not None and t.ledger.releases):
-        spent = t.release.accountant.epsilon()
+    if state is not None or (t.mechanism.ledger is not None and t.mechanism.ledger.releases):
+        spent = t.mechanism.release.accountant.epsilon()
         log(f"resumed from step {t.start_step} of {t.plan.steps}" + (f", ε so far {spent:.4f} (from the ledger)" if t.private else ""))
     if t.parallel.is_main:
         moved = t.metrics.set_aside_after(t.start_step)
@@ -355,10 +350,10 @@ def resume(t: Training) -> None:
 def save_mechanism(t: Training, step: int) -> None:
     # The examples' content hash checks that a resume trains on the same data; it is owner-only
     # here, since a hash of the private set is a membership oracle (training/data.py).
-    state = {"randomness": t.randomness.state_dict(), "sampler": t.sampler.state_dict(), "data_fingerprint": t.data.train_source}
+    state = {"randomness": t.mechanism.randomness.state_dict(), "sampler": t.mechanism.sampler.state_dict(), "data_fingerprint": t.data.train_source}
     if t.oracle is not None:  # the noise-free mirrors are as secret as the noise
         state["oracle"] = t.oracle.state_dict()
-    save_mechanism_state(t.mechanism_state_path, step, {**state, **ledger_record(t.ledger)})
+    save_mechanism_state(t.mechanism_state_path, step, {**state, **ledger_record(t.mechanism.ledger)})
 
 
 def restore_oracle(oracle: OracleAlignment, saved: dict | None, step: int) -> None:
@@ -386,7 +381,7 @@ def checkpoint(t: Training, step: int) -> None:
             "config_identity": config_identity(t.cfg),  # what a resume must configure alike (run_identity.py)
             **({"train_seconds": t.train_seconds} if t.publish_diagnostics else {}),
             "logger_id": t.logger.run_id,
-            **ledger_record(t.ledger),
+            **ledger_record(t.mechanism.ledger),
         },
     )
 
@@ -433,8 +428,8 @@ def train(t: Training) -> str | None:
             **({} if t.publish_diagnostics else {"mininterval": 0, "miniters": 1}),
         )
         for step in bar:
-            if not within_budget(t.release.accountant, t.plan):
-                spent = t.release.accountant.epsilon()
+            if not t.mechanism.within_budget():
+                spent = t.mechanism.release.accountant.epsilon()
                 reason = f"budget guard: releasing step {step} would exceed ε={t.plan.target_epsilon} (ε spent {spent:.4f})"
                 log(f"{reason}; stopping")
                 checkpoint(t, t.last_step)
@@ -488,20 +483,11 @@ def train_step(t: Training, step: int) -> dict[str, Any]:
 def release_step(t: Training, step: int):
     """Sample a lot and release it; a replay that cannot reproduce its output is redone fresh."""
     try:
-        return t.release.release(lot_batches(t, next_lot(t)), loss_function(t), step)
+        return t.mechanism.release.release(lot_batches(t, t.mechanism.next_lot()), loss_function(t), step)
     except ReplayMismatchError as err:
         log(f"{err}; redrawing lot and noise from fresh OS entropy (charged as a new release)")
-        t.randomness.reseed_from_os_entropy()
-        share_rank0_randomness(t.randomness, t.parallel)  # ranks must keep drawing one lot
-        t.release.noise_may_repeat = False
-        return t.release.release(lot_batches(t, next_lot(t)), loss_function(t), step)
-
-
-def next_lot(t: Training) -> list[int]:
-    lot = t.sampler.next_lot()
-    if t.parallel.world_size > 1 and t.randomness.secure:  # CSPRNG lots differ per rank: rank 0's counts
-        lot = t.parallel.broadcast_object(lot if t.parallel.is_main else None)
-    return lot
+        t.mechanism.redraw_fresh()
+        return t.mechanism.release.release(lot_batches(t, t.mechanism.next_lot()), loss_function(t), step)
 
 
 def lot_batches(t: Training, lot: list[int]):
@@ -526,13 +512,13 @@ def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: flo
     raw lot's quantities (outside the guarantee; empty when off)."""
     row: dict[str, Any] = {"step": step, "lr": t.optimizer.param_groups[0]["lr"]}
     with_epsilon = step % max(1, int(t.cfg.logging.epsilon_every)) == 0 or step == t.plan.steps
-    row.update(t.release.public_step_fields(with_epsilon))  # (a replayed, uncharged release is marked in the ledger)
+    row.update(t.mechanism.release.public_step_fields(with_epsilon))  # (a replayed, uncharged release is marked in the ledger)
     names = {p: n for n, p in t.named.items()}
     diagnose = getattr(t.optimizer, "diagnostics", None)
     for key, values in (diagnose() if diagnose else {}).items():  # computed from the release: public
         row[key] = {names[p]: v for p, v in values.items()}
         row[f"{key}_median"] = statistics.median(values.values())
-    diagnostics = {**diagnostic_fields(stats, t.partition, t.private), **oracle_fields, "step_seconds": elapsed} if t.diagnostics else {}
+    diagnostics = {**diagnostic_fields(stats, t.mechanism.partition, t.private), **oracle_fields, "step_seconds": elapsed} if t.diagnostics else {}
     eval_every = int(t.cfg.trainer.eval_every) if t.validate else 0
     if t.parallel.is_main and (bool(eval_every and step % eval_every == 0) or (t.validate and step == t.plan.steps)):
         row["val_nll"] = validation_nll(t)
@@ -555,7 +541,7 @@ def evaluate(t: Training) -> tuple[float | None, dict]:
     log("evaluating on the test set")
     test_nll = token_nll(t.model, t.data.test, pad_id, int(cfg.eval.batch_size) * 4, t.device, t.autocast, t.progress, "test nll")
     generations = decode(t.model, t.tokenizer, [item.source for item in t.data.test_items], cfg.eval, t.device, t.autocast, t.progress)
-    atomic_write(t.run_dir / "generations.txt", lambda f: f.write("".join(g.replace("\n", " ") + "\n" for g in generations).encode()))
+    atomic_write(t.run_dir / run_folder.GENERATIONS, lambda f: f.write("".join(g.replace("\n", " ") + "\n" for g in generations).encode()))
     return test_nll, score(generations, [item.references for item in t.data.test_items])
 
 
@@ -570,7 +556,7 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         learning_rates=learning_rates(cfg.optimizer),
         private=plan.private,
         target_epsilon=plan.target_epsilon,
-        epsilon=t.release.accountant.epsilon(),
+        epsilon=t.mechanism.release.accountant.epsilon(),
         delta=plan.delta,
         delta_times_n=plan.delta_times_n,
         noise_multiplier=plan.noise_multiplier,
@@ -579,13 +565,13 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         dataset_size=plan.dataset_size,
         steps=t.last_step,
         planned_steps=plan.steps,
-        releases_charged=t.release.accountant.steps,
+        releases_charged=t.mechanism.release.accountant.steps,
         release_slack=asdict(plan.slack) if plan.private else None,
         stopped_by_budget_guard=stop_reason is not None and not stop_reason.startswith(NON_FINITE),
         stop_reason=stop_reason,
         validation_split=validation_split(cfg) if t.validate else None,
         accountant=plan.accountant,
-        **mechanism_fields(cfg, plan.private, t.randomness),
+        **mechanism_fields(cfg, plan.private, t.mechanism.randomness),
         world_size=t.parallel.world_size,
         tied_lm_head=lm_head_is_tied(t.model),
         initial_weights_sha256=t.initial_weights,
@@ -618,12 +604,15 @@ def mechanism_fields(cfg: DictConfig, private: bool, randomness: MechanismRandom
 
 def finish(t: Training, summary: dict[str, Any]) -> None:
     """Write the summary and curves, save the model if asked, and remove what must not outlive the run."""
+    if is_lora(t.model):  # always: a few adapter matrices, and the run's model is the base plus them
+        save_adapter(t.model, t.run_dir / run_folder.ADAPTER)
     if t.cfg.trainer.save_model:
-        t.model.save_pretrained(t.run_dir / "model")
-        t.tokenizer.save_pretrained(t.run_dir / "model")
-    atomic_write_json(t.run_dir / "summary.json", summary)
+        # A LoRA run's full model has its adapters merged into the base weights (the model's last use).
+        (t.model.merge_and_unload() if is_lora(t.model) else t.model).save_pretrained(t.run_dir / run_folder.MODEL)
+        t.tokenizer.save_pretrained(t.run_dir / run_folder.MODEL)
+    atomic_write_json(t.run_dir / run_folder.SUMMARY, summary)
     t.logger.summary(summary)
-    figures = write_curves([Run(t.run_dir, summary)], t.run_dir / "curves", diagnostics=False)  # the run folder's are publishable
+    figures = write_curves([Run(t.run_dir, summary)], t.run_dir / run_folder.CURVES, diagnostics=False)  # the run folder's are publishable
     t.logger.images({f"curves/{path.stem}": path for path in figures})
     t.logger.finish()
     if not t.cfg.trainer.keep_checkpoint:
@@ -635,62 +624,11 @@ def finish(t: Training, summary: dict[str, Any]) -> None:
 # ---- the parts -----------------------------------------------------------------------------------
 
 
-def build_release(cfg: DictConfig, model, named: dict, matrices: dict, plan, noise: GaussianNoise, parallel: DataParallel, ledger):
-    """The mechanism of the plan: (partition, privatizer), or the non-private release.
-
-    The accountant starts from the ledger's charged releases: ε spent always comes from there.
-    """
-    if not plan.private:
-        return None, NonPrivateRelease(model, parallel)
-    sizes = {n: p.numel() for n, p in named.items()}
-    partition = build_partition(
-        named,
-        clip_mode=cfg.privacy.clip_mode,
-        clip_norm=float(cfg.privacy.clip_norm),
-        threshold_rule=cfg.privacy.threshold_rule,
-        other_blocks=cfg.privacy.other_blocks,
-        matrix_names=matrices,
-        sizes=sizes,
-    )
-    log(f"clipping: {cfg.privacy.clip_mode}, {partition_summary(partition, sizes)}")
-    accountant = PrivacyAccountant(plan.delta, plan.accountant, plan.slack)
-    history = ledger.charged_history() if ledger is not None else []
-    accountant.history = parallel.broadcast_object(history) if parallel.world_size > 1 else history
-    privatizer = Privatizer(
-        model,
-        partition,
-        noise_multiplier=plan.noise_multiplier,
-        expected_lot_size=plan.expected_lot_size,
-        sample_rate=plan.sample_rate,
-        accountant=accountant,
-        noise=noise,
-        noise_allocation=cfg.privacy.noise_allocation,
-        engine=cfg.privacy.engine,
-        parallel=parallel,
-        ledger=ledger,
-        constant_time=plan.max_lot_size is not None,
-    )
-    return partition, privatizer
-
-
-def open_ledger(cfg: DictConfig, run_dir: Path, plan, data, parallel: DataParallel) -> PrivacyLedger | None:
-    """The run's privacy ledger (rank 0 of a private run), created or continued."""
-    if not plan.private or not parallel.is_main:
-        return None
-    header = {
-        "dataset": cfg.dataset.name,
-        "dataset_size": plan.dataset_size,
-        "delta": plan.delta,
-        "accountant": plan.accountant,
-        "release_slack": asdict(plan.slack),  # what each release costs beyond the ideal: ε from the ledger alone
-    }
+def check_ledger_kept(run_dir: Path) -> None:
+    """Never start a new ledger under a run that released: its releases would be lost to ε."""
     path = run_dir / LEDGER_FILE
     if has_saved_state(run_dir) and not (path.is_file() and path.stat().st_size):
-        raise UserError(missing_ledger(run_dir))  # never start a new ledger under a run that released
-    try:
-        return PrivacyLedger(path, header)
-    except (LedgerMismatchError, LedgerIntegrityError) as err:
-        raise UserError(f"cannot continue this run directory: {err}") from None
+        raise UserError(missing_ledger(run_dir))
 
 
 def missing_ledger(run_dir: Path) -> str:
@@ -709,27 +647,7 @@ def missing_ledger(run_dir: Path) -> str:
     )
 
 
-def mechanism_randomness(cfg: DictConfig, parallel: DataParallel) -> MechanismRandomness:
-    """Secret lot and noise generators; all ranks share rank 0's (they must draw the same lots)."""
-    secret = user_mechanism_secret(cfg)
-    if secret is not None and secret < STRONG_SEED:
-        log(WEAK_SEED_WARNING)
-    if secret is None and not cfg.optimizer.private:
-        # A non-private run's lots protect nothing: from the public seed, so that a public model
-        # (scripts/pretrain_public.py) rebuilds bit for bit in a fresh checkout.
-        secret = int.from_bytes(hashlib.sha256(f"dpmuon non-private lots {int(cfg.seed)}".encode()).digest(), "big")
-    randomness = MechanismRandomness(secret, secure=bool(cfg.privacy.secure_noise))
-    share_rank0_randomness(randomness, parallel)
-    return randomness
-
-
-def share_rank0_randomness(randomness: MechanismRandomness, parallel: DataParallel) -> None:
-    """Every rank takes rank 0's generator states: all ranks must draw the same lots."""
-    if parallel.world_size > 1:
-        randomness.load_state_dict(parallel.broadcast_object(randomness.state_dict() if parallel.is_main else None))
-
-
-def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledger, parallel: DataParallel) -> dict | None:
+def restore_mechanism(mechanism: Mechanism, path: Path, step: int) -> dict | None:
     """Continue the mechanism's secret draws from `step`, or start fresh ones if they are gone;
     return the saved state restored (None: there was none).
 
@@ -737,6 +655,7 @@ def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledge
     free). Without it, nothing may be replayed: new secret draws, and every re-run step is a
     new, charged release.
     """
+    randomness, sampler, ledger, parallel = mechanism.randomness, mechanism.sampler, mechanism.ledger, mechanism.parallel
     saved = load_mechanism_state(path, step) if parallel.is_main else None
     if saved is not None:
         verify_ledger(ledger, saved, path.name)
@@ -756,9 +675,7 @@ def restore_mechanism(randomness, sampler, release, path: Path, step: int, ledge
     if resuming:
         if not randomness.secure:
             log(f"no mechanism state for step {step} in {path.name}: drawing fresh secret randomness; re-run steps are charged")
-        randomness.reseed_from_os_entropy()
-        share_rank0_randomness(randomness, parallel)
-        release.noise_may_repeat = False
+        mechanism.redraw_fresh()
     return None
 
 
@@ -783,18 +700,6 @@ def diagnostics_mode(cfg: DictConfig) -> str:
     if setting is True or setting is False:
         return "publish" if setting else "false"
     return str(setting)
-
-
-def lot_limit(cfg: DictConfig, dataset_size: int) -> tuple[int | None, float]:
-    """privacy.constant_time: the rows every step processes (B_max; None: lots as drawn) and the
-    probability per step that a Poisson lot is truncated to them (charged by the accountant)."""
-    if not (cfg.optimizer.private and cfg.privacy.get("constant_time", False)):  # a run stored before the key: off
-        return None, 0.0
-    lot = int(cfg.privacy.expected_lot_size)
-    if cfg.privacy.sampling != "poisson":  # shuffled lots all have the expected size
-        return lot, 0.0
-    q, steps = plan_length(dataset_size, lot, cfg.trainer.epochs, cfg.trainer.steps)
-    return lot_bound(dataset_size, q, steps, float(cfg.privacy.target_epsilon), float(cfg.privacy.delta))
 
 
 def fixed_batch_shape(cfg: DictConfig, precision: str) -> bool:

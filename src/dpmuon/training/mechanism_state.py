@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from .. import run_folder
 from .checkpoint import CHECKPOINT_FILE
 from .run_files import atomic_write, temp_files
 
-MECHANISM_STATE_FILE = "mechanism_state.pt"
+MECHANISM_STATE_FILE = run_folder.MECHANISM_STATE
 KEPT_STATES = 2
 
 

@@ -16,23 +16,19 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .. import run_folder
 from ..errors import UserError
-from .run_lock import LOCK_FILE, run_dir_locked
-from .secret import SEED_USE_FILE
+from ..run_folder import RUN_STATE, SUMMARY
+from .run_lock import run_dir_locked
 
-# What a resume may change: settings of the process, not of the run (README, "Resume").
+# What a resume may change: settings of the process, not of the run (docs/privacy.md, "Resume and crash safety").
 RESUME_ADJUSTABLE = ("trainer.num_threads", "logging.progress", "hydra.verbose")
 # Not part of the identity: where a resume was started from, and what a resume may change.
 NOT_IDENTITY = {"resume", *RESUME_ADJUSTABLE}
-# The files that make a folder a run's: what a run reads back when it continues (checkpoint,
-# mechanism state, ledger, metrics and diagnostics rows) or what marks it finished. A folder
-# without them holds nothing a new run could take over: no release was made there. (The names
-# of checkpoint.py, mechanism_state.py, privacy/ledger.py, eval/runs.py, which import torch.)
-RUN_STATE = ("summary.json", "checkpoint.pt", "mechanism_state.pt", "privacy_ledger.jsonl", "metrics.jsonl", "diagnostics.jsonl")
-# What a run that stopped before it trained leaves: Hydra's records, the lock, whether it had a
-# user seed. A failed command removes the folder it made if nothing else is there (launch.py).
-NOT_A_RUN = (".hydra", "train.log", LOCK_FILE, SEED_USE_FILE)
-STORED_CONFIG = Path(".hydra") / "config.yaml"
+# RUN_STATE (the files that make a folder a run's) and NOT_A_RUN (what a run that stopped before
+# it trained leaves; a failed command removes the folder it made if nothing else is there,
+# launch.py): run_folder.py, with every other name a run writes.
+STORED_CONFIG = Path(run_folder.STORED_CONFIG)
 SHOWN_KEYS = 4
 _ABSENT = object()
 
@@ -85,7 +81,7 @@ def check_new_run_dir(run_dir: Path, cfg: DictConfig) -> None:
     found = run_files(run_dir)
     if not found:
         return
-    if "summary.json" in found:
+    if SUMMARY in found:
         raise UserError(f"{run_dir} holds a finished run (summary.json): a new run there would overwrite it; choose another hydra.run.dir")
     stored = stored_identity(run_dir)
     if stored is None:
@@ -103,7 +99,7 @@ def check_resumable(run_dir: Path) -> None:
     """A folder that `resume=` can continue: a dpmuon run that has not finished."""
     if not Path(run_dir).is_dir():
         raise UserError(f"cannot resume {run_dir}: no such directory")
-    if (Path(run_dir) / "summary.json").exists():
+    if run_folder.is_finished(run_dir):
         raise UserError(f"{run_dir} already finished (summary.json exists); nothing to resume")
     if not (Path(run_dir) / STORED_CONFIG).is_file():
         raise UserError(f"cannot resume {run_dir}: {Path(run_dir) / STORED_CONFIG} not found (is this a dpmuon run directory?)")

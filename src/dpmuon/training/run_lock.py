@@ -15,9 +15,10 @@ import fcntl
 import os
 from pathlib import Path
 
+from .. import run_folder
 from ..errors import UserError
 
-LOCK_FILE = "run.lock"
+LOCK_FILE = run_folder.LOCK
 _HELD: dict[Path, int] = {}  # run directory (resolved) → the descriptor holding its lock
 
 

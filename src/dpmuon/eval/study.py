@@ -1,11 +1,12 @@
 """What a study costs: the composed privacy of every run that touched one private dataset.
 
-    python -m dpmuon.privacy.study RUN_DIR... [--delta D]
+    python -m dpmuon.eval.study RUN_DIR... [--delta D]     (or: dpmuon-study RUN_DIR...)
 
 Each run's ε holds for that run alone. A study that tunes, repeats seeds and compares
 optimizers on the same private examples releases all of those runs, so its privacy is the
-composition of every charged release of every run: this module merges the runs' (σ, q)
-histories and composes them with the PRV accountant at one δ.
+composition of every charged release of every run: this module reads the runs' (σ, q)
+histories from their folders, and privacy/composition.py merges and composes them with the PRV
+accountant at one δ.
 
 Where a run's releases come from:
 - `privacy_ledger.jsonl` (one line per release; only `"charged": true` lines cost anything; a
@@ -43,82 +44,40 @@ user-seeded.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..jsontext import to_json
-from .accountant import PrivacyAccountant, ReleaseSlack
-from .ledger import FORMAT as LEDGER_FORMAT
-from .ledger import LEDGER_FILE, read_chain
-from .randomness import USER_SEED
+from ..privacy.accountant import ReleaseSlack
+from ..privacy.composition import ACCOUNTANT, History, RunRecord, composed_epsilon
+from ..privacy.ledger import FORMAT as LEDGER_FORMAT
+from ..privacy.ledger import read_chain
+from ..privacy.randomness import USER_SEED
+from ..run_folder import LEDGER, SUMMARY
+from .runs import RunFormatError, read_json_object, run_dirs_below
 
-SUMMARY_FILE = "summary.json"
-FROM_LEDGER = LEDGER_FILE
+FROM_LEDGER = LEDGER
+STUDY_MARKERS = (LEDGER, SUMMARY)  # a run folder, to the study: one that released (a ledger) or finished
 RECONSTRUCTED = "reconstructed from summary.json"
 INFINITE = "inf"
 NO_GUARANTEE = "no guarantee"
-ACCOUNTANT = "prv"
 USAGE_ERROR = 2
 LEDGER_FORMATS = (1, LEDGER_FORMAT)  # 1: before the hash chain (its lines are read, not checked)
 
-History = list[tuple[float, float, int]]  # (σ, q, releases), as in PrivacyAccountant.history
 
-
-class StudyError(ValueError):
+class StudyError(RunFormatError):
     """Input the study cannot account for: named, never guessed around."""
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """One run's charged releases and the training set they came from."""
-
-    path: Path
-    dataset: str
-    dataset_size: int | None
-    fingerprint: str | None  # of the examples used; None: not recorded
-    private: bool
-    delta: float | None  # None: non-private runs record none
-    history: tuple[tuple[float, float, int], ...]  # charged releases
-    uncharged: int  # replays identical to an earlier release: free
-    source: str  # FROM_LEDGER or RECONSTRUCTED
-    optimizer: str | None = None
-    user_seeded: bool = False  # lots and noise from a user's mechanism seed: maybe shared with other runs
-    secret_randomness: bool = True  # False: lots and noise followed from the published seed
-    slack: ReleaseSlack = ReleaseSlack()  # per charged release, beyond the ideal mechanism (none before the grid release)
-
-    @property
-    def charged(self) -> int:
-        return sum(n for _, _, n in self.history)
-
-    @property
-    def guaranteed(self) -> bool:
-        """Whether any finite ε covers this run: noise, drawn from randomness nobody else knows."""
-        return self.private and self.secret_randomness
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "run": str(self.path),
-            "optimizer": self.optimizer,
-            "private": self.private,
-            "secret_randomness": self.secret_randomness if self.private else None,
-            "ledger": self.source,
-            "dataset_size": self.dataset_size,
-            "data_fingerprint": self.fingerprint,
-            "charged_releases": self.charged,
-            "uncharged_releases": self.uncharged,
-        }
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading runs
 
 
-def find_run_dirs(paths: Iterable[Path]) -> list[Path]:
+def find_run_dirs(paths: Sequence[Path]) -> list[Path]:
     """The given run directories, or those found below a folder; a run's own subfolders are its own.
 
     A run directory holds a ledger or a summary.json. Searching stops at one, so a resume
@@ -128,47 +87,31 @@ def find_run_dirs(paths: Iterable[Path]) -> list[Path]:
     for root in map(Path, paths):
         if not root.is_dir():
             raise StudyError(f"{root}: no such directory")
-        for run in _runs_below(root):
+        for run in run_dirs_below(root, STUDY_MARKERS):
             found.setdefault(run.resolve(), run)
     if not found:
-        raise StudyError(f"no run ({LEDGER_FILE} or {SUMMARY_FILE}) under {', '.join(map(str, paths))}")
+        raise StudyError(f"no run ({LEDGER} or {SUMMARY}) under {', '.join(map(str, paths))}")
     return sorted(found.values(), key=str)
 
 
-def _runs_below(folder: Path) -> list[Path]:
-    if is_run_dir(folder):
-        return [folder]
-    return [run for child in sorted(folder.iterdir()) if child.is_dir() for run in _runs_below(child)]
-
-
 def is_run_dir(folder: Path) -> bool:
-    return (folder / LEDGER_FILE).is_file() or (folder / SUMMARY_FILE).is_file()
+    return any((Path(folder) / marker).is_file() for marker in STUDY_MARKERS)
 
 
 def read_run(path: Path) -> RunRecord:
     """The run's releases from its ledger, or reconstructed from its summary.json."""
     path = Path(path)
-    summary = _read_json(path / SUMMARY_FILE) if (path / SUMMARY_FILE).is_file() else None
-    if (path / LEDGER_FILE).is_file():
+    summary = read_json_object(path / SUMMARY) if (path / SUMMARY).is_file() else None
+    if (path / LEDGER).is_file():
         return _from_ledger(path, summary)
     if summary is None:
-        raise StudyError(f"{path}: neither {LEDGER_FILE} nor {SUMMARY_FILE}")
+        raise StudyError(f"{path}: neither {LEDGER} nor {SUMMARY}")
     return from_summary(path, summary)
-
-
-def _read_json(file: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise StudyError(f"{file}: not readable JSON ({error})") from error
-    if not isinstance(data, dict):
-        raise StudyError(f"{file}: expected a JSON object")
-    return data
 
 
 def from_summary(path: Path, summary: dict[str, Any]) -> RunRecord:
     """A run without a ledger: its charged releases, all at its (σ, q)."""
-    where = path / SUMMARY_FILE
+    where = path / SUMMARY
     sigma = _number(summary, "noise_multiplier", where)
     q = _number(summary, "sample_rate", where)
     counts = {key: summary.get(key) for key in ("steps", "releases_charged") if summary.get(key) is not None}
@@ -198,7 +141,7 @@ def from_summary(path: Path, summary: dict[str, Any]) -> RunRecord:
 
 
 def _from_ledger(path: Path, summary: dict[str, Any] | None) -> RunRecord:
-    file = path / LEDGER_FILE
+    file = path / LEDGER
     *lines, _torn = file.read_bytes().split(b"\n")  # a torn last line: its release was never used
     records, error = read_chain(file, lines)
     if error is not None:
@@ -277,32 +220,7 @@ def _is_count(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Composing
-
-
-def merged_history(runs: Iterable[RunRecord]) -> History:
-    """All charged releases, identical (σ, q) merged into one entry: composition is order-free,
-    and PRV's cost grows with the number of distinct entries, not of releases."""
-    counts: dict[tuple[float, float], int] = {}
-    for run in runs:
-        for sigma, q, n in run.history:
-            counts[(sigma, q)] = counts.get((sigma, q), 0) + n
-    return [(sigma, q, n) for (sigma, q), n in sorted(counts.items())]
-
-
-def composed_epsilon(runs: Iterable[RunRecord], delta: float) -> float:
-    """ε at δ of releasing every run: PRV over the merged charged history; inf if any run has no
-    guarantee (no noise, or noise anyone could regenerate)."""
-    runs = list(runs)
-    if not all(run.guaranteed for run in runs):
-        return math.inf
-    history = merged_history(runs)
-    releases = sum(n for _, _, n in history)
-    # Each run's releases bring their own slack; spread over all releases, the totals stay the same.
-    slack = ReleaseSlack(*(sum(getattr(r.slack, f) * r.charged for r in runs) / max(releases, 1) for f in ("epsilon", "bad_event")))
-    accountant = PrivacyAccountant(delta, ACCOUNTANT, slack)
-    accountant.history = history
-    return accountant.epsilon()
+# Reporting
 
 
 def study_epsilon(runs: Sequence[RunRecord], delta: float | None) -> float | str:
@@ -434,7 +352,7 @@ def all_warnings(report: dict[str, Any]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dpmuon.privacy.study",
+        prog="python -m dpmuon.eval.study",
         description="Compose the privacy ledgers of every given run that trained on the same private "
         "data (PRV) and print one JSON object: runs, epsilon_per_run, epsilon_total, delta.",
     )
@@ -446,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.delta is not None and not 0 < args.delta < 1:
             raise StudyError(f"--delta must be in (0, 1), got {args.delta}")
         report = study_report([read_run(path) for path in find_run_dirs(args.run_dirs)], args.delta)
-    except StudyError as error:
+    except RunFormatError as error:  # StudyError, or a summary.json that is not JSON
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     for warning in all_warnings(report):

@@ -10,11 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..config.schema import ConfigError
-from ..errors import UserError
-from ..privacy import NullAccountant, PrivacyAccountant, calibrate_noise_multiplier, epsilon_after, plan_steps
-from ..privacy.accountant import ReleaseSlack
-from ..privacy.grid import release_slack
+from ..errors import ConfigError, UserError
+from .accountant import NullAccountant, PrivacyAccountant, ReleaseSlack, calibrate_noise_multiplier, epsilon_after, plan_steps
+from .grid import release_slack
 
 # The largest target ε the PRV accountant is used for: it calibrated ε = 128 (lot 256, 100 steps
 # on E2E) without trouble, and was killed for memory at ε = 1024. RDP has no such limit.

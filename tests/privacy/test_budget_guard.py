@@ -6,7 +6,7 @@ import pytest
 
 from dpmuon.errors import UserError
 from dpmuon.privacy import NullAccountant, PrivacyAccountant, epsilon_after
-from dpmuon.training.plan import make_plan, within_budget
+from dpmuon.privacy.plan import make_plan, within_budget
 
 BASE = dict(private=True, dataset_size=10_000, expected_lot_size=100, epochs=None, steps=300, target_epsilon=3.0, delta=1e-5, accountant="prv")
 
@@ -53,7 +53,7 @@ def test_guard_checks_a_foreign_ledger_exactly():
 
 def test_prv_beyond_its_largest_epsilon_is_refused_with_the_fix_instead_of_running_out_of_memory():
     from dpmuon.errors import UserError
-    from dpmuon.training.plan import PRV_MAX_EPSILON
+    from dpmuon.privacy.plan import PRV_MAX_EPSILON
 
     kwargs = dict(private=True, dataset_size=42061, expected_lot_size=256, epochs=None, steps=100, delta=8e-6, noise_multiplier=None)
     with pytest.raises(UserError, match="privacy.accountant=rdp"):

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpmuon.eval.study import main
 from dpmuon.privacy import PrivacyAccountant, PrivacyLedger, epsilon_after
 from dpmuon.privacy.randomness import OS_ENTROPY
-from dpmuon.privacy.study import main
 
 torch.set_num_threads(1)
 
 FINGERPRINT_A = "a" * 64
 FINGERPRINT_B = "b" * 64
-PROG = "python -m dpmuon.privacy.study"
+PROG = "python -m dpmuon.eval.study"
 
 
 def write_ledger(run_dir: Path, releases, dataset="e2e", size=1000, fingerprint=FINGERPRINT_A, delta=1e-5) -> Path:
@@ -270,7 +270,7 @@ def test_a_torn_last_line_is_a_release_that_never_happened(tmp_path: Path, capsy
 
 def test_runs_as_a_module(tmp_path: Path):
     run = write_ledger(tmp_path / "a", releases(1.0, 0.01, 4))
-    done = subprocess.run([sys.executable, "-m", "dpmuon.privacy.study", str(run)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "dpmuon.eval.study", str(run)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert {"runs", "epsilon_per_run", "epsilon_total", "delta"} <= set(report)

@@ -1,0 +1,1 @@
+"""dpmuon inside other training frameworks: `dpmuon.integrations.hf.DPTrainer` (Hugging Face Trainer)."""

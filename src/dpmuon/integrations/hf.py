@@ -1,0 +1,416 @@
+"""A Hugging Face `Trainer` whose every step is one private release of dpmuon's mechanism.
+
+    from dpmuon.integrations.hf import DPTrainer
+    args = TrainingArguments(output_dir="runs/hf", learning_rate=2e-3, num_train_epochs=3, per_device_train_batch_size=16,
+                             max_grad_norm=0, logging_steps=10, save_steps=100, eval_strategy="steps", report_to=["wandb"])
+    trainer = DPTrainer(model=model, args=args, train_dataset=train, eval_dataset=valid, data_collator=collate,
+                        privacy=dict(target_epsilon=8.0, delta=1e-5, expected_lot_size=256, clip_norm=0.1), optimizer="dp_muon")
+    trainer.train()
+
+The mechanism is the façade's (`dpmuon.make_private`, facade.py), run dir = `output_dir`. What changes in the Trainer:
+- the train "dataloader" yields one Poisson lot per Trainer step, drawn with the mechanism's secret randomness when the
+  step asks for it; `per_device_train_batch_size` is the micro-batch the lot is cut into (the lot's size is
+  `privacy["expected_lot_size"]` in expectation);
+- `training_step` releases the lot (clip, noise, fsynced ledger line, accountant → p.grad) and calls no backward;
+- the optimizer is dpmuon's (dp_sgd, dp_adam, dp_muon, dp_muonbc) with `learning_rate`, `weight_decay` and Adam's
+  betas/epsilon from the arguments (`optimizer_kwargs` for the rest), scheduled over the plan's steps;
+- the plan has `max_steps` releases when given (Trainer's own precedence), else ⌈num_train_epochs / q⌉; Trainer steps
+  = plan steps, and the logged `epoch` is the expected passes over the data (steps × q);
+- every log row carries `epsilon` (spent so far, from the ledger) and `output_dir/privacy_spent.json` holds it
+  beside the ledger `output_dir/privacy_ledger.jsonl`. The lots' training loss is computed from the raw examples
+  (outside the guarantee): it is not logged unless `log_nonprivate_train_loss=True`;
+- a checkpoint records the ledger's head (checkpoint-N/dpmuon_privacy.json, public) and the mechanism's secret
+  generator states (`output_dir/mechanism_state.pt`, owner-only, the last two kept, deleted when the plan is done):
+  `train(resume_from_checkpoint=...)` verifies the ledger still holds what the checkpoint saw and replays the steps
+  after it with their own lots and noise (an identical replay is free; without the state, fresh draws, charged).
+
+Settings that would void the guarantee, or that the release would silently ignore, are refused in one line naming
+the argument (`refuse_unsafe_arguments`, `refuse_unsafe_setup`). Step times track the secret lot sizes: the train
+runtime and throughput are not logged, and W&B's system metrics and profiles should not be published. Evaluation runs as in Trainer; metrics on a private
+split are outside the guarantee, as the driver's private validation NLL is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from .. import run_folder
+from ..errors import UserError
+from ..facade import Lot, PrivateTraining, make_private, say, to_device
+from ..models import per_example_lm_loss
+from ..optim import build as build_optimizer
+from ..privacy.ledger import LedgerIntegrityError
+from ..privacy.plan import check_resume_compatible
+from ..privacy.privatizer import ReleaseStats, ReplayMismatchError
+from ..training.mechanism_state import discard_mechanism_state, load_mechanism_state, save_mechanism_state
+from ..training.run_files import atomic_write_json
+
+PRIVACY_RECORD = "dpmuon_privacy.json"  # in each checkpoint-N/: the ledger's head and length, the plan (public)
+PRIVACY_SPENT = "privacy_spent.json"  # in output_dir, beside the ledger: ε spent so far
+# make_private's arguments that TrainingArguments decide.
+FROM_TRAINING_ARGUMENTS = {
+    "epochs": "num_train_epochs",
+    "steps": "max_steps",
+    "micro_batch_size": "per_device_train_batch_size",
+    "run_dir": "output_dir",
+}
+# Trainer methods the integration replaces: a subclass's own version would be bypassed or bypass the release.
+REPLACED_METHODS = ("get_train_dataloader", "_get_train_sampler", "training_step", "compute_loss", "create_optimizer")
+NONPRIVATE_LOGS = ("loss", "train_loss")  # means of the raw lots' per-example losses
+# Lots are processed as drawn (no constant-time padding as in the driver): the time training took
+# tracks the secret lots' sizes, so it is not logged where W&B and the console publish it.
+TIMING_LOGS = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def field_default(name: str) -> Any:
+    return TrainingArguments.__dataclass_fields__[name].default
+
+
+def refuse_unsafe_arguments(args: TrainingArguments) -> None:
+    """One line naming the first argument under which the Trainer's step would not be the private release."""
+    refusals = [
+        (
+            args.gradient_accumulation_steps != 1,
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: one Trainer step is one Poisson lot, already cut into "
+            "micro-batches of per_device_train_batch_size; set the lot with privacy['expected_lot_size'] and keep 1",
+        ),
+        (args.fp16, "fp16=True: fp16 grad scaling rescales and may skip the released gradient; train in float32"),
+        (
+            args.bf16,
+            "bf16=True: under bf16 autocast one example's clipped gradient depends on the rest of its micro-batch (the driver's "
+            "trainer.fixed_batch_shape handles it, this Trainer does not); train in float32 or with python -m dpmuon.train",
+        ),
+        (args.n_gpu > 1, f"n_gpu={args.n_gpu}: DataParallel replicas bypass the engine's per-example hooks; expose one GPU (CUDA_VISIBLE_DEVICES)"),
+        (
+            args.world_size > 1 or bool(args.deepspeed) or bool(args.fsdp),
+            f"world_size={args.world_size} / deepspeed / fsdp: the release runs in one process (every rank would draw its own lots and "
+            "noise); run one process, or python -m dpmuon.train for data-parallel private training",
+        ),
+        (
+            args.train_sampling_strategy != "random",
+            f"train_sampling_strategy={args.train_sampling_strategy!r}: the lots are Poisson samples drawn by the mechanism; "
+            "any other order is not what the accountant charges",
+        ),
+        (
+            args.max_grad_norm not in (0, field_default("max_grad_norm")),
+            f"max_grad_norm={args.max_grad_norm}: clipping the released (noisy) gradient rescales the noise the optimizers are "
+            "calibrated on (DP-MuonBC's bias correction); clipping is per example, privacy['clip_norm']; set max_grad_norm=0",
+        ),
+        (
+            args.optim != field_default("optim"),
+            f"optim={args.optim}: the optimizer is dpmuon's; choose it with DPTrainer(optimizer='dp_sgd'|'dp_adam'|'dp_muon'|'dp_muonbc')",
+        ),
+        (
+            args.label_smoothing_factor != 0,
+            f"label_smoothing_factor={args.label_smoothing_factor}: the release uses the per-example loss_fn, which would ignore it",
+        ),
+        (
+            args.include_num_input_tokens_seen not in ("no", False),
+            "include_num_input_tokens_seen: the tokens in the secret lots are a function of the private data outside the guarantee",
+        ),
+        (
+            args.auto_find_batch_size,
+            "auto_find_batch_size=True: a retry after an out-of-memory error restarts the Trainer's loop mid-plan; set per_device_train_batch_size",
+        ),
+        (
+            bool(args.gradient_checkpointing or args.activation_checkpointing),
+            "gradient_checkpointing: the engine's per-example hooks are not checked under recomputation; turn it off",
+        ),
+        (
+            args.push_to_hub,
+            f"push_to_hub=True: the Trainer uploads output_dir, which holds the secret {run_folder.MECHANISM_STATE} while training; "
+            "push the model yourself after training",
+        ),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise UserError(f"DPTrainer: {reason}")
+
+
+def refuse_unsafe_setup(cls: type, args: TrainingArguments | None, train_dataset: Any, privacy: Mapping[str, Any], trainer_kwargs: Mapping) -> None:
+    """One line naming the first Trainer argument or override that would replace or escape the private release."""
+    if args is None:
+        raise UserError("DPTrainer: args: give TrainingArguments(output_dir=...); the privacy ledger is written there")
+    for name in ("optimizers", "optimizer_cls_and_kwargs"):
+        if trainer_kwargs.get(name) not in (None, (None, None)):
+            raise UserError(f"DPTrainer: {name}: the optimizer is dpmuon's, built over the release; choose it with optimizer=<name>")
+    for name, reason in (
+        ("compute_loss_func", "returns the batch's mean loss; the release needs per-example losses: pass loss_fn=<per-example loss>"),
+        ("model_init", "a re-initialized model would escape the mechanism built on the first; pass model="),
+    ):
+        if trainer_kwargs.get(name) is not None:
+            raise UserError(f"DPTrainer: {name}: {reason}")
+    for method in REPLACED_METHODS:
+        if getattr(cls, method) is not getattr(DPTrainer, method):
+            raise UserError(f"DPTrainer: {cls.__name__}.{method} is overridden: the private release replaces it (lots are Poisson samples)")
+    if train_dataset is None:
+        raise UserError("DPTrainer: train_dataset: the private training set is required (len() and [i])")
+    given = set(privacy) & set(FROM_TRAINING_ARGUMENTS)
+    if given:
+        key = sorted(given)[0]
+        raise UserError(f"DPTrainer: privacy[{key!r}]: set it as TrainingArguments.{FROM_TRAINING_ARGUMENTS[key]}")
+    known = set(inspect.signature(make_private).parameters) - {"model", "train_dataset", "collate_fn", "loss_fn"}
+    unknown = sorted(set(privacy) - known)
+    if unknown:
+        valid = ", ".join(sorted(known - set(FROM_TRAINING_ARGUMENTS)))
+        raise UserError(f"DPTrainer: privacy[{unknown[0]!r}] is no setting of dpmuon.make_private; valid: {valid}")
+
+
+class PoissonLots:
+    """The train 'dataloader': one `Lot` per Trainer step, its indices drawn by the mechanism when the step asks."""
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+
+    def __len__(self) -> int:
+        return self.trainer.private.plan.steps
+
+    def __iter__(self) -> Iterator[Lot]:
+        trainer = self.trainer
+        while trainer.next_step <= trainer.private.plan.steps:
+            if not trainer.private.mechanism.within_budget():
+                say(f"budget guard: releasing step {trainer.next_step} would exceed ε={trainer.private.plan.target_epsilon}; stopping")
+                trainer.budget_stopped = True
+                trainer.control.should_training_stop = True
+                return
+            step, trainer.next_step = trainer.next_step, trainer.next_step + 1
+            yield trainer.draw_lot(step)
+
+
+class DPTrainer(Trainer):
+    """`transformers.Trainer` whose steps are dpmuon's private releases (see the module's docstring).
+
+    `privacy`: `dpmuon.make_private`'s settings (target_epsilon, delta, expected_lot_size, clip_norm, clip_mode,
+    noise_multiplier, accountant, …) except those TrainingArguments give (epochs, steps, micro_batch_size,
+    run_dir). `loss_fn(model, batch)` returns the per-example losses [B] (default: the causal-LM loss over
+    `labels` ≠ -100, as the driver's: the collator gives input_ids, attention_mask and labels, e.g.
+    DataCollatorForLanguageModeling(tokenizer, mlm=False)). The mechanism is `trainer.private` (a `PrivateTraining`).
+    TrainingArguments are adjusted in place: max_grad_norm 1.0 → 0 (said), ignore_data_skip → True.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        *,
+        privacy: Mapping[str, Any],
+        optimizer: str = "dp_muon",
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] = per_example_lm_loss,
+        log_nonprivate_train_loss: bool = False,
+        **trainer_kwargs: Any,
+    ):
+        refuse_unsafe_setup(type(self), args, train_dataset, privacy, trainer_kwargs)
+        refuse_unsafe_arguments(args)
+        if args.max_grad_norm:  # the default 1.0 is on in every TrainingArguments: not a choice to refuse
+            say(f"max_grad_norm={args.max_grad_norm} set to 0: the released gradient is not clipped again (clipping is per example)")
+            args.max_grad_norm = 0.0
+        args.ignore_data_skip = True  # lots come from the mechanism's restored state on resume, not from skipped batches
+
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset, **trainer_kwargs)
+        self.optimizer_name, self.optimizer_kwargs = optimizer, dict(optimizer_kwargs or {})
+        self.log_nonprivate_train_loss = log_nonprivate_train_loss
+        self.private = self._make_private(loss_fn, privacy)
+        self.next_step = 1  # the next release's number in the ledger
+        self.budget_stopped = False
+        self._epsilon_at: tuple[int, float] | None = None  # (charged releases, ε)
+
+    def _make_private(self, loss_fn: Callable, privacy: Mapping[str, Any]) -> PrivateTraining:
+        args, dataset, collate = self.args, self.train_dataset, self.data_collator
+        # The columns Trainer would drop before collating (the model's forward takes only some).
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="Training")
+        self._collate, self._dataset = collate, dataset
+        by_steps = args.max_steps > 0
+        return make_private(
+            self.model,
+            dataset,
+            collate,
+            loss_fn,
+            run_dir=args.output_dir,
+            steps=args.max_steps if by_steps else None,
+            epochs=None if by_steps else float(args.num_train_epochs),
+            micro_batch_size=int(args.per_device_train_batch_size),
+            **privacy,
+        )
+
+    # -- data: one Poisson lot per step ----------------------------------------------------------------
+
+    def get_train_dataloader(self) -> PoissonLots:
+        return PoissonLots(self)
+
+    def _get_train_sampler(self, train_dataset=None):
+        raise UserError("DPTrainer draws Poisson lots from the mechanism; it has no train sampler")
+
+    def draw_lot(self, step: int) -> Lot:
+        """Lot `step` of the ledger, its indices from the mechanism's secret lot sampler."""
+        return Lot(step, self.private.mechanism.next_lot(), self.private.micro_batch_size, self._collated)
+
+    def _collated(self, indices: list[int]) -> Any:
+        return to_device(self._collate([self._dataset[i] for i in indices]), self.args.device)
+
+    def set_initial_training_values(self, args: TrainingArguments, dataloader: PoissonLots) -> tuple:
+        # One Trainer "epoch" runs the whole plan: lots are independent samples, not passes over the data.
+        plan = self.private.plan
+        lot = plan.expected_lot_size
+        return 1, plan.steps, plan.dataset_size, plan.steps * lot, lot, plan.steps, plan.steps
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> None:
+        return None  # the per-example loss normalizes itself; a lot's token count is not public
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0  # counted from a secret lot's tokens it would be a function of the private data
+
+    # -- the step: release, no backward --------------------------------------------------------------
+
+    def training_step(self, model: nn.Module, inputs: Lot, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Release the lot into p.grad (clip, noise, ledger, accountant); the Trainer's optimizer step follows.
+        Returns the lot's mean per-example loss when `log_nonprivate_train_loss`, else 0."""
+        self.model.train()  # the engine's per-example hooks are on self.model's modules, not on Trainer's wrapper `model`
+        stats = self._release(inputs)
+        loss = stats.train_loss if self.log_nonprivate_train_loss and math.isfinite(stats.train_loss) else 0.0
+        return torch.tensor(loss, device=self.args.device)
+
+    def _release(self, lot: Lot) -> ReleaseStats:
+        try:
+            return self.private.release(lot)
+        except ReplayMismatchError as err:  # a re-run step after resume that its saved noise cannot reproduce
+            say(f"{err}; redrawing lot and noise from fresh OS entropy (charged as a new release)")
+            self.private.mechanism.redraw_fresh()
+            return self.private.release(self.draw_lot(lot.step))
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            args = self.args
+            adam = {"betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}
+            hyper: dict[str, Any] = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
+            if self.optimizer_name == "dp_adam":
+                hyper.update(adam)
+            elif self.optimizer_name in ("dp_muon", "dp_muonbc"):
+                hyper["adam"] = {**adam, "weight_decay": args.weight_decay}
+            hyper.update(self.optimizer_kwargs)
+            try:
+                self.optimizer = build_optimizer(self.optimizer_name, self.model, self.private, **hyper)
+            except ValueError as err:
+                raise UserError(f"DPTrainer: optimizer={self.optimizer_name!r}: {err}") from None
+        return self.optimizer
+
+    # -- what is logged and written --------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        for key in TIMING_LOGS + (() if self.log_nonprivate_train_loss else NONPRIVATE_LOGS):
+            logs.pop(key, None)
+        logs["epsilon"] = self.epsilon_spent()
+        if self.is_in_train:  # Trainer's epoch would be the fraction of the plan: say the expected passes over the data
+            self.state.epoch = self.state.global_step * self.private.plan.sample_rate
+        super().log(logs, start_time)
+
+    def epsilon_spent(self) -> float:
+        """ε spent so far (the accountant's composition is not free: computed once per charged release count)."""
+        charged = self.private.mechanism.release.accountant.steps
+        if self._epsilon_at is None or self._epsilon_at[0] != charged:
+            self._epsilon_at = (charged, self.private.epsilon)
+        return self._epsilon_at[1]
+
+    def write_privacy_spent(self) -> None:
+        """`output_dir/privacy_spent.json`: ε spent (from the ledger beside it) against the plan."""
+        plan, accountant = self.private.plan, self.private.mechanism.release.accountant
+        spent = {
+            "epsilon": self.epsilon_spent(),
+            "delta": plan.delta,
+            "target_epsilon": plan.target_epsilon,
+            "charged_releases": accountant.steps,
+            "plan": plan.as_dict(),
+            "ledger": self.private.ledger_path.name,
+        }
+        atomic_write_json(Path(self.args.output_dir) / PRIVACY_SPENT, spent)
+
+    # -- checkpoints and resume --------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        step, mechanism = self.state.global_step, self.private.mechanism
+        ledger = {"ledger_head": mechanism.ledger.head, "ledger_length": mechanism.ledger.length}
+        # The secret half first (owner-only, outside the checkpoint folders people copy and share).
+        secret = {"randomness": mechanism.randomness.state_dict(), "sampler": mechanism.sampler.state_dict(), **ledger}
+        save_mechanism_state(self.mechanism_state_path, step, secret)
+        folder = Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(folder / PRIVACY_RECORD, {"step": step, "plan": self.private.plan.as_dict(), **ledger})
+        super()._save_checkpoint(model, trial)
+        self.write_privacy_spent()
+
+    @property
+    def mechanism_state_path(self) -> Path:
+        return Path(self.args.output_dir) / run_folder.MECHANISM_STATE
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
+        if self.plan_done:
+            raise UserError("DPTrainer.train: this trainer's plan is spent (every release made); a new plan needs a new output_dir")
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise UserError(f"DPTrainer: resume_from_checkpoint=True: no checkpoint in output_dir={self.args.output_dir}")
+        if resume_from_checkpoint:
+            self._resume_mechanism(Path(resume_from_checkpoint))
+        elif self.private.mechanism.ledger.releases:
+            raise UserError(
+                f"DPTrainer: output_dir={self.args.output_dir} holds {self.private.ledger_path.name} with "
+                f"{len(self.private.mechanism.ledger.releases)} releases: continue it with train(resume_from_checkpoint=...), or train in a "
+                "new output_dir (those releases still count against this data set)"
+            )
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial, **kwargs)
+        finally:
+            self.write_privacy_spent()
+            if self.plan_done:  # no step is left to replay
+                discard_mechanism_state(Path(self.args.output_dir), keep=False)
+                self.private.close()
+
+    @property
+    def plan_done(self) -> bool:
+        """Every release of the plan is made (or the budget guard stopped the lots)."""
+        return self.state.global_step >= self.private.plan.steps or self.budget_stopped
+
+    def _resume_mechanism(self, checkpoint: Path) -> None:
+        """Continue the ledger from `checkpoint`: verify it still holds every line the checkpoint saw, then
+        restore the secret draws saved there so the steps after it replay (or draw fresh ones, charged)."""
+        record_path = checkpoint / PRIVACY_RECORD
+        if not record_path.is_file():
+            raise UserError(
+                f"DPTrainer: resume_from_checkpoint={checkpoint}: no {PRIVACY_RECORD} (not written by a DPTrainer), so the ledger "
+                "cannot be checked against it; resume from a checkpoint this trainer saved"
+            )
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        check_resume_compatible(record["plan"], self.private.plan)
+        mechanism, step = self.private.mechanism, int(record["step"])
+        secret = load_mechanism_state(self.mechanism_state_path, step)
+        try:
+            mechanism.ledger.verify(record.get("ledger_head"), record.get("ledger_length"), f"{checkpoint.name}/{PRIVACY_RECORD}")
+            if secret is not None:
+                mechanism.ledger.verify(secret.get("ledger_head"), secret.get("ledger_length"), run_folder.MECHANISM_STATE)
+        except LedgerIntegrityError as err:
+            raise UserError(f"DPTrainer: cannot continue output_dir={self.args.output_dir}: {err}") from None
+        if secret is not None:
+            mechanism.randomness.load_state_dict(secret["randomness"])
+            mechanism.sampler.load_state_dict(secret["sampler"])
+        else:
+            say(f"no mechanism state for step {step} in {run_folder.MECHANISM_STATE}: drawing fresh secret randomness; re-run steps are charged")
+            mechanism.redraw_fresh()
+        self.next_step = step + 1
+        say(f"resuming at step {self.next_step} of {self.private.plan.steps}, ε so far {self.epsilon_spent():.4f} (from the ledger)")

@@ -1,0 +1,54 @@
+"""`dpmuon.optim.build`: an optimizer for a model and its private release, by name.
+
+What an optimizer takes from the release is public: which parameters it covers, which of them
+are hidden-layer matrices (Muon's part) and the per-entry noise std of their released gradient
+(DP-MuonBC's bias correction). Any object that says these (`ReleasedParameters`) will do — the
+façade's `dpmuon.make_private(...)` does — so this module needs nothing of the privacy package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .registry import OptimizerInputs, build_optimizer
+
+# The optimizers by the names the driver's roster gives them (conf/optimizer/dp_*.yaml) → builder.
+NAMES = {"dp_sgd": "sgd", "dp_adam": "adam", "dp_muon": "muon", "dp_muonbc": "muonbc"}
+
+
+class ReleasedParameters(Protocol):
+    """What an optimizer may know of a private release."""
+
+    params: Mapping[str, nn.Parameter]  # the trainable parameters the release writes (name → parameter)
+    hidden_matrices: Mapping[str, str]  # name → "out_in" | "in_out" (models.hidden_matrices)
+
+    def release_noise_std(self) -> Mapping[str, float]: ...
+
+
+def build(name: str, model: nn.Module, release: ReleasedParameters, generator: torch.Generator | None = None, **hyper: Any) -> torch.optim.Optimizer:
+    """The optimizer `name` (dp_sgd, dp_adam, dp_muon, dp_muonbc) over the parameters `release`
+    privatizes; `hyper` are its hyperparameters (conf/optimizer/<name>.yaml; nested sections
+    as dicts, e.g. adam={"betas": [0.9, 0.99]}). `lr` has no default; the Adam part of the Muon
+    optimizers takes it too unless adam={"lr": …} says otherwise. `generator` draws DP-MuonBC's
+    probes (public randomness)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(NAMES)}")
+    if "lr" not in hyper:
+        raise ValueError(f"dpmuon.optim.build({name!r}, …) needs lr=<learning rate> (no default: it depends on the task)")
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(trainable) != set(release.params):
+        differ = sorted(set(trainable) ^ set(release.params))
+        raise ValueError(
+            f"the model's trainable parameters are not those the release covers (first difference: {differ[0]}); freeze or unfreeze before make_private"
+        )
+    kind = NAMES[name]
+    if kind in ("muon", "muonbc"):
+        hyper["adam"] = {"lr": hyper["lr"], **hyper.get("adam", {})}
+    inputs = OptimizerInputs(
+        params=trainable, hidden_matrices=dict(release.hidden_matrices), release_noise_std=dict(release.release_noise_std()), generator=generator
+    )
+    return build_optimizer(kind, inputs, hyper)

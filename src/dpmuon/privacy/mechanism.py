@@ -1,0 +1,302 @@
+"""The whole private release of a run, built in one place from a model, N and the privacy settings.
+
+plan (σ from the target ε, or ε from a given σ) → secret randomness (OS entropy unless the user
+gives a seed: privacy/seed.py) → ledger (fsynced, hash-chained) → block partition → privatizer
+(engine, noise, accountant whose history comes from the ledger) → Poisson lot sampler. The
+training driver (training/loop.py), the façade (`dpmuon.make_private`), the bench and the tests
+all build it here, so each of them releases exactly what the others would.
+
+What the optimizers may see of it is public: `Mechanism.release_noise_std()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torch import nn
+
+from ..errors import UserError
+from .accountant import PrivacyAccountant
+from .blocks import BlockPartition, build_partition, partition_summary
+from .distributed import SINGLE, DataParallel
+from .ledger import LEDGER_FILE, LedgerIntegrityError, LedgerMismatchError, PrivacyLedger
+from .lot_bound import lot_bound
+from .noise import GaussianNoise
+from .plan import PrivacyPlan, check_private_inputs, make_plan, plan_length, within_budget
+from .privatizer import NonPrivateRelease, Privatizer
+from .randomness import MechanismRandomness
+from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler
+from .seed import STRONG_SEED, WEAK_SEED_WARNING
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PrivacySettings:
+    """What decides the mechanism (the driver's privacy.* keys, trainer.epochs/steps and whether
+    the optimizer is private; conf/privacy/per_matrix.yaml documents each)."""
+
+    target_epsilon: float
+    delta: float
+    expected_lot_size: int
+    epochs: float | None = None
+    steps: int | None = None  # given: the plan's steps; else ⌈epochs/q⌉
+    noise_multiplier: float | None = None  # None: calibrated from the target ε
+    accountant: str = "prv"
+    clip_mode: str = "per_matrix"
+    clip_norm: float = 0.1
+    threshold_rule: str = "split"
+    other_blocks: str = "per_tensor"
+    noise_allocation: str = "uniform"
+    engine: str = "fast"
+    engine_fallback: str = "generic"  # a trainable module no rule of the engine knows: "generic" (torch.func) or "error"
+    sampling: str = "poisson"
+    secure_noise: bool = False
+    constant_time: bool = False
+    private: bool = True  # False: the non-private reference (no clipping, no noise, nothing charged)
+
+
+@dataclass
+class Mechanism:
+    """One run's private release and everything it keeps: plan, secret randomness, ledger,
+    partition, privatizer (its accountant) and lot sampler."""
+
+    plan: PrivacyPlan
+    randomness: MechanismRandomness
+    ledger: PrivacyLedger | None
+    partition: BlockPartition | None
+    release: Privatizer | NonPrivateRelease  # its accountant: a NullAccountant when non-private
+    sampler: PoissonLotSampler | ShuffleLotSampler
+    parallel: DataParallel = SINGLE
+
+    def release_noise_std(self) -> dict[str, float]:
+        """Public per-entry noise std of the released gradient of each parameter (what DP-Muon's
+        bias correction needs; 0 when non-private)."""
+        return self.release.release_noise_std()
+
+    def next_lot(self) -> list[int]:
+        """The next lot's example indices (every rank gets the same lot)."""
+        lot = self.sampler.next_lot()
+        if self.parallel.world_size > 1 and self.randomness.secure:  # CSPRNG lots differ per rank: rank 0's counts
+            lot = self.parallel.broadcast_object(lot if self.parallel.is_main else None)
+        return lot
+
+    def redraw_fresh(self) -> None:
+        """Fresh secret randomness from here on, on every rank: after a replay that could not
+        reproduce its output (privatizer.ReplayMismatchError), the step is redone as a new release."""
+        self.randomness.reseed_from_os_entropy()
+        share_rank0_randomness(self.randomness, self.parallel)  # ranks must keep drawing one lot
+        self.release.noise_may_repeat = False
+
+    def within_budget(self) -> bool:
+        """Would one more release keep ε ≤ the target (privacy/plan.py)?"""
+        return within_budget(self.release.accountant, self.plan)
+
+    @property
+    def epsilon(self) -> float | None:
+        """ε spent so far, from the charged releases (None: non-private)."""
+        return self.release.accountant.epsilon()
+
+    def close(self) -> None:
+        self.release.close()
+
+
+def build_mechanism(
+    model: nn.Module,
+    dataset_size: int,
+    settings: PrivacySettings,
+    *,
+    hidden_matrices: Mapping[str, str],
+    user_secret: int | None,
+    run_dir: Path | None,
+    dataset_name: str,
+    public_seed: int = 0,
+    parallel: DataParallel = SINGLE,
+    log: Log = print,
+) -> Mechanism:
+    """The mechanism for `model`'s trainable parameters over a data set of `dataset_size` examples.
+
+    `hidden_matrices` (models.hidden_matrices) are the per-matrix blocks; `user_secret` the
+    user's mechanism seed (privacy/seed.py; None: OS entropy); `run_dir` holds the ledger (None:
+    no ledger, for timing and tests only); `dataset_name` names the private set in its header;
+    `public_seed` drives only a non-private run's lots.
+    """
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    # σ is calibrated with what the release's float noise costs, which grows with its size.
+    plan = privacy_plan(settings, dataset_size, released_coordinates=sum(p.numel() for p in named.values()), log=log)
+    randomness = mechanism_randomness(user_secret, settings, parallel, public_seed, log)
+    ledger = open_ledger(run_dir, plan, dataset_name, parallel) if run_dir is not None else None
+    noise = GaussianNoise(randomness.noise, secure=randomness.secure)
+    partition, release = build_release(model, named, hidden_matrices, plan, settings, noise, parallel, ledger, log)
+    sampling = settings.sampling if plan.private else "poisson"
+    sampler = build_lot_sampler(
+        sampling, plan.dataset_size, plan.expected_lot_size, randomness.sampler, secure=randomness.secure, max_lot_size=plan.max_lot_size
+    )
+    return Mechanism(plan, randomness, ledger, partition, release, sampler, parallel)
+
+
+def check_plan_inputs(settings: PrivacySettings, dataset_size: int) -> None:
+    """The plan's checks that need only N (the lot, the steps, δ < 1/N, the accountant's range):
+    callers run them before building or downloading a model."""
+    plan_length(dataset_size, int(settings.expected_lot_size), settings.epochs, settings.steps)
+    if settings.private:
+        check_private_inputs(dataset_size, float(settings.target_epsilon), float(settings.delta), str(settings.accountant))
+
+
+def privacy_plan(settings: PrivacySettings, dataset_size: int, released_coordinates: int, log: Log = print) -> PrivacyPlan:
+    """q, steps and σ, fixed before step 1 (and said)."""
+    max_lot_size, truncation = lot_limit(settings, dataset_size)
+    plan = make_plan(
+        max_lot_size=max_lot_size,
+        truncation_probability=truncation,
+        released_coordinates=released_coordinates,
+        private=settings.private,
+        dataset_size=dataset_size,
+        expected_lot_size=int(settings.expected_lot_size),
+        epochs=settings.epochs,
+        steps=settings.steps,
+        target_epsilon=float(settings.target_epsilon),
+        delta=float(settings.delta),
+        accountant=str(settings.accountant),
+        noise_multiplier=settings.noise_multiplier,
+    )
+    if plan.private:
+        log(
+            f"privacy plan: N={plan.dataset_size:,}, q={plan.sample_rate:.5f}, {plan.steps} steps, "
+            f"σ={plan.noise_multiplier:.4f} → ε={plan.planned_epsilon:.4f} ≤ {plan.target_epsilon} at δ={plan.delta:g} "
+            f"(δ·N={plan.delta_times_n:.3g}, {plan.accountant}; the float64 release of {plan.released_coordinates:,} "
+            f"coordinates adds {plan.steps * plan.slack.epsilon:.2g} to ε)"
+            + (f"; constant-time lots of {plan.max_lot_size} rows (truncated w.p. {plan.truncation_probability:.2g} per step)" if max_lot_size else "")
+        )
+    else:
+        log(f"NON-PRIVATE reference run: N={plan.dataset_size:,}, {plan.steps} steps, no clipping, no noise")
+    return plan
+
+
+def lot_limit(settings: PrivacySettings, dataset_size: int) -> tuple[int | None, float]:
+    """Constant-time lots: the rows every step processes (B_max; None: lots as drawn) and the
+    probability per step that a Poisson lot is truncated to them (charged by the accountant)."""
+    if not (settings.private and settings.constant_time):
+        return None, 0.0
+    lot = int(settings.expected_lot_size)
+    if settings.sampling != "poisson":  # shuffled lots all have the expected size
+        return lot, 0.0
+    q, steps = plan_length(dataset_size, lot, settings.epochs, settings.steps)
+    return lot_bound(dataset_size, q, steps, float(settings.target_epsilon), float(settings.delta))
+
+
+def mechanism_randomness(
+    user_secret: int | None, settings: PrivacySettings, parallel: DataParallel = SINGLE, public_seed: int = 0, log: Log = print
+) -> MechanismRandomness:
+    """Secret lot and noise generators; all ranks share rank 0's (they must draw the same lots)."""
+    secret = user_secret
+    if secret is not None and secret < STRONG_SEED:
+        log(WEAK_SEED_WARNING)
+    if secret is None and not settings.private:
+        # A non-private run's lots protect nothing: from the public seed, so that a public model
+        # (scripts/pretrain_public.py) rebuilds bit for bit in a fresh checkout.
+        secret = int.from_bytes(hashlib.sha256(f"dpmuon non-private lots {int(public_seed)}".encode()).digest(), "big")
+    randomness = MechanismRandomness(secret, secure=bool(settings.secure_noise))
+    share_rank0_randomness(randomness, parallel)
+    return randomness
+
+
+def share_rank0_randomness(randomness: MechanismRandomness, parallel: DataParallel) -> None:
+    """Every rank takes rank 0's generator states: all ranks must draw the same lots."""
+    if parallel.world_size > 1:
+        randomness.load_state_dict(parallel.broadcast_object(randomness.state_dict() if parallel.is_main else None))
+
+
+def open_ledger(run_dir: Path, plan: PrivacyPlan, dataset_name: str, parallel: DataParallel = SINGLE) -> PrivacyLedger | None:
+    """The run's privacy ledger in `run_dir` (rank 0 of a private run), created or continued."""
+    if not plan.private or not parallel.is_main:
+        return None
+    header = {
+        "dataset": dataset_name,
+        "dataset_size": plan.dataset_size,
+        "delta": plan.delta,
+        "accountant": plan.accountant,
+        "release_slack": asdict(plan.slack),  # what each release costs beyond the ideal: ε from the ledger alone
+    }
+    try:
+        return PrivacyLedger(Path(run_dir) / LEDGER_FILE, header)
+    except (LedgerMismatchError, LedgerIntegrityError) as err:
+        raise UserError(f"cannot continue this run directory: {err}") from None
+
+
+def build_release(
+    model: nn.Module,
+    named: Mapping[str, nn.Parameter],
+    matrices: Mapping[str, str],
+    plan: PrivacyPlan,
+    settings: PrivacySettings,
+    noise: GaussianNoise,
+    parallel: DataParallel = SINGLE,
+    ledger: PrivacyLedger | None = None,
+    log: Log = print,
+) -> tuple[BlockPartition | None, Privatizer | NonPrivateRelease]:
+    """The release of the plan: (partition, privatizer), or (None, the non-private release)."""
+    if not plan.private:
+        return None, NonPrivateRelease(model, parallel)
+    sizes = {n: p.numel() for n, p in named.items()}
+    partition = build_partition(
+        named,
+        clip_mode=settings.clip_mode,
+        clip_norm=float(settings.clip_norm),
+        threshold_rule=settings.threshold_rule,
+        other_blocks=settings.other_blocks,
+        matrix_names=matrices,
+        sizes=sizes,
+    )
+    log(f"clipping: {settings.clip_mode}, {partition_summary(partition, sizes)}")
+    privatizer = build_privatizer(
+        model,
+        partition,
+        plan,
+        noise,
+        engine=settings.engine,
+        engine_fallback=settings.engine_fallback,
+        noise_allocation=settings.noise_allocation,
+        parallel=parallel,
+        ledger=ledger,
+    )
+    if privatizer.engine_note is not None:
+        log(privatizer.engine_note)
+    return partition, privatizer
+
+
+def build_privatizer(
+    model: nn.Module,
+    partition: BlockPartition,
+    plan: PrivacyPlan,
+    noise: GaussianNoise,
+    *,
+    engine: str = "fast",
+    engine_fallback: str = "generic",
+    noise_allocation: str = "uniform",
+    parallel: DataParallel = SINGLE,
+    ledger: PrivacyLedger | None = None,
+) -> Privatizer:
+    """The privatizer of a private plan over `partition`. Its accountant starts from the ledger's
+    charged releases: ε spent always comes from there."""
+    accountant = PrivacyAccountant(plan.delta, plan.accountant, plan.slack)
+    history = ledger.charged_history() if ledger is not None else []
+    accountant.history = parallel.broadcast_object(history) if parallel.world_size > 1 else history
+    return Privatizer(
+        model,
+        partition,
+        noise_multiplier=plan.noise_multiplier,
+        expected_lot_size=plan.expected_lot_size,
+        sample_rate=plan.sample_rate,
+        accountant=accountant,
+        noise=noise,
+        noise_allocation=noise_allocation,
+        engine=engine,
+        engine_fallback=engine_fallback,
+        parallel=parallel,
+        ledger=ledger,
+        constant_time=plan.max_lot_size is not None,
+    )
