@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-slow data smoke bench-bias bench-step audit audit-table audit-full audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
+.PHONY: help setup lint test test-slow docs data smoke bench-bias bench-step audit audit-table audit-full audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu
 
 help: ## List every target with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
@@ -30,6 +30,10 @@ test: ## Run the default test suite (offline, CPU; excludes slow and gpu markers
 
 test-slow: ## Run the slow checks too (still CPU)
 	$(PYTHON) -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+docs: ## Regenerate docs/configuration-reference.md from the option schema, then build the documentation (mkdocs --strict) → site/
+	$(PYTHON) -m dpmuon.config.reference
+	$(PYTHON) -m mkdocs build --strict
 
 bench-bias: ## Monte Carlo of the Newton–Schulz bias and DP-MuonBC's correction → results/bias/
 	$(PYTHON) scripts/bench_bias.py
