@@ -209,3 +209,17 @@ def test_a_hub_dataset_uses_its_splits_and_carves_the_missing_ones(tmp_path, mon
     assert asked == [("someone/tables", "v1")] and len(test) == 40  # the hub's own test split
     assert valid and {e.source for e in valid} == {f"item : {i}" for i in range(40) if holdout_band(f"item : {i}", 0.2) == "validation"}
     assert len(train) + len(valid) == 40  # only the validation band leaves train: test has its own split
+
+
+def test_progress_off_silences_the_datasets_bars(tmp_path):
+    import datasets
+
+    settings = HFSettings.from_config({"files": {"train": str(write_jsonl(tmp_path / "x.jsonl", ROWS))}}, data_root=tmp_path)
+    datasets.enable_progress_bars()
+    try:
+        HFReader(settings, CharTokenizer())
+        assert datasets.is_progress_bar_enabled()
+        HFReader(settings, CharTokenizer(), progress=False)
+        assert not datasets.is_progress_bar_enabled()
+    finally:
+        datasets.enable_progress_bars()  # process-wide: the other tests keep their bars

@@ -101,8 +101,10 @@ class HFReader:
     `encode_for_training` (same results); `encode` takes only Examples this reader returned.
     """
 
-    def __init__(self, settings: HFSettings, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, settings: HFSettings, tokenizer: PreTrainedTokenizerBase, progress: bool = True):
         self.settings, self.tokenizer = settings, tokenizer
+        if not progress:  # logging.progress=false: `datasets` draws its bars process-wide unless told
+            datasets.disable_progress_bars()
         self._rows: dict[str, list[Example]] = {}  # by split name of the file (or hub split) read
         self._encoded: dict[Example, EncodedExample] = {}
         self._hub: datasets.DatasetDict | None = None

@@ -20,12 +20,12 @@ class RunData:
     train_source: str  # which private training set this is; see train_fingerprint
 
 
-def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None]) -> RunData:
+def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None], progress: bool = True) -> RunData:
     name, fmt, root = dataset["name"], dataset.get("format"), data.get("root")
     exclude = tuple(dataset.get("exclude_origins") or ())
 
     if name == "hf":  # your own data through `datasets`: its tokenization is cached (data/hf.py)
-        reader = HFReader(HFSettings.from_config(dataset, default_data_root() if root is None else root), tokenizer)
+        reader = HFReader(HFSettings.from_config(dataset, default_data_root() if root is None else root), tokenizer, progress=progress)
         load, encode = reader.examples, reader.encode
     else:
 

@@ -202,7 +202,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     with blamed_on("model.name_or_path", cfg.model.name_or_path):
         max_length = context_length(cfg.model)
     try:
-        data = prepare_data(cfg.dataset, cfg.data, tokenizer, max_length, log)
+        data = prepare_data(cfg.dataset, cfg.data, tokenizer, max_length, log, progress=bool(cfg.logging.progress))
     except OSError as err:  # e.g. an unreadable file: name it, and the key that says where data comes from
         raise DataError(
             f"cannot read {err.filename or 'the data'}: {err.strerror or one_line(err)}; "
