@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dpmuon.optim import bias_corrected_newton_schulz, newton_schulz
+from dpmuon.optim import bias_corrected_newton_schulz
+from dpmuon.optim.newton_schulz import newton_schulz
 
 FAMILIES = {"quintic": dict(steps=5, coefficients="quintic"), "series:2": dict(steps=8, coefficients="series:2")}
 

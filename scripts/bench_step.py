@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from dpmuon.config import compose_config
@@ -61,14 +62,17 @@ RANDOM_MODELS = {
 # name → local directory of a pretrained model (`make models/smollm2`); its vocabulary is its own.
 LOCAL_MODELS = {"smollm2": REPO_ROOT / "models" / "smollm2"}
 MODELS = sorted(RANDOM_MODELS) + sorted(LOCAL_MODELS)
-# The roster's optimizers (conf/optimizer/*.yaml); DP-SGD is left out: its optimizer step is a
-# plain SGD update, nothing to compare. Hyperparameters and privacy settings come from the
-# driver's composed config (compose_config; the dataset stays the default, E2E: its rates are
-# the optimizers' rates, and synthetic lots are shaped like its lots), as in a training run.
-TWIN_KIND = {"adam": "adam", "muon": "muon", "muonbc": "muon"}  # a DP kind's non-private counterpart
-ROSTER = [entry for entry in optimizer_roster() if entry.kind in TWIN_KIND]
-OPTIMIZERS = [e.name for e in ROSTER if e.private]
-NON_PRIVATE_TWIN = {e.name: next(t.name for t in ROSTER if not t.private and t.kind == TWIN_KIND[e.kind]) for e in ROSTER if e.private}
+# The roster's DP optimizers (conf/optimizer/*.yaml), each beside its non-private counterpart: the
+# non-private optimizer whose settings class its own is or extends (DP-MuonBC's is Muon). DP-SGD
+# has none (its optimizer step is a plain SGD update, nothing to compare). Hyperparameters and
+# privacy settings come from the driver's composed config (compose_config; the dataset stays the
+# default, E2E: its rates are the optimizers' rates, and synthetic lots are shaped like its
+# lots), as in a training run.
+CLASSES = {e.name: get_class(e.target) for e in optimizer_roster()}
+NON_PRIVATE_TWIN = {
+    e.name: t.name for e in optimizer_roster() if e.private for t in optimizer_roster() if not t.private and issubclass(CLASSES[e.name], CLASSES[t.name])
+}
+OPTIMIZERS = list(NON_PRIVATE_TWIN)
 # conf/privacy calibrates σ from a target ε; here σ is fixed: noise is drawn as in a real run and
 # its size does not change the cost. q only enters the plan (N = lot / q) and the accountant.
 NOISE_MULTIPLIER = 1.0
@@ -207,14 +211,13 @@ class Runner:
         )
         self.release = mechanism.release
         self.optimizer = build_optimizer(
-            cfg.optimizer.kind,
+            OmegaConf.to_container(cfg.optimizer, resolve=True),
             OptimizerInputs(
                 params=named,
                 hidden_matrices=matrices,
                 release_noise_std=mechanism.release_noise_std(),
                 generator=torch.Generator(device=device).manual_seed(0),
             ),
-            OmegaConf.to_container(cfg.optimizer, resolve=True),
         )
 
     def step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:

@@ -16,7 +16,7 @@ from dpmuon.config import compose_config  # noqa: F401  (the tests import it fro
 from dpmuon.train import CONFIG_DIR
 
 # The options of the config groups the tests combine, and every experiment (None: no experiment).
-GROUPS = {name: sorted(p.stem for p in (Path(CONFIG_DIR) / name).glob("*.yaml")) for name in ("optimizer", "dataset", "model", "privacy", "logger")}
+GROUPS = {name: sorted(p.stem for p in (Path(CONFIG_DIR) / name).glob("*.yaml")) for name in ("optimizer", "dataset", "model", "privacy", "recipe", "logger")}
 EXPERIMENTS = [None] + sorted(p.stem for p in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"))
 
 

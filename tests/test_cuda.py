@@ -16,7 +16,7 @@ from conftest import random_gpt2
 from helpers_tokenizers import CharTokenizer
 
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
-from dpmuon.optim import OptimizerInputs, build_optimizer
+from dpmuon.optim import AdamSettings, MuonBCSettings, MuonSettings, OptimizerInputs, SGDSettings
 from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, build_engine, build_partition
 from dpmuon.training.evaluation import decode
 
@@ -29,10 +29,10 @@ SHAPE = dict(vocab_size=50258, n_layer=2, n_embd=256, n_head=4) if ON_GPU else d
 VOCAB = SHAPE["vocab_size"]
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 OPTIMIZERS = {
-    "dp_sgd": ("sgd", {"lr": 1.0}),
-    "dp_adam": ("adam", ADAM),
-    "dp_muon": ("muon", {"lr": 1e-3, "momentum": 0.95, "adam": ADAM}),
-    "dp_muonbc": ("muonbc", {"lr": 1e-3, "momentum": 0.95, "adam": ADAM, "bias_correction": {"probe_scale": 1.0, "num_probes": 1}}),
+    "dp_sgd": (SGDSettings, {"lr": 1.0}),
+    "dp_adam": (AdamSettings, ADAM),
+    "dp_muon": (MuonSettings, {"lr": 1e-3, "momentum": 0.95, "adam": ADAM}),
+    "dp_muonbc": (MuonBCSettings, {"lr": 1e-3, "momentum": 0.95, "adam": ADAM, "bias_correction": {"probe_scale": 1.0, "num_probes": 1}}),
 }
 
 
@@ -113,7 +113,7 @@ def test_dp_optimizers_step_on_the_device_and_keep_fp32_state(name):
     named = dict(model.named_parameters())
     kind, cfg = OPTIMIZERS[name]
     probes = torch.Generator(device=DEVICE).manual_seed(8)  # DP-MuonBC draws its probes on the device
-    optimizer = build_optimizer(kind, OptimizerInputs(named, hidden_matrices(model), privatizer.release_noise_std(), probes), cfg)
+    optimizer = kind(**cfg).build(OptimizerInputs(named, hidden_matrices(model), privatizer.release_noise_std(), probes))
     before = {n: p.detach().clone() for n, p in named.items()}
     for seed in (9, 10):
         privatizer.release([lot(8, seed=seed)], bf16_loss)

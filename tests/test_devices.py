@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 import dpmuon
 from dpmuon.data import EncodedExample
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
-from dpmuon.optim import OPTIMIZERS, OptimizerInputs, build_optimizer
+from dpmuon.optim import AdamSettings, MuonBCSettings, MuonSettings, OptimizerInputs, SGDSettings
 from dpmuon.privacy import GaussianNoise, NonPrivateRelease, PrivacyAccountant, Privatizer, SecretStream, build_partition
 from dpmuon.training.evaluation import decode, token_nll
 
@@ -46,10 +46,10 @@ HOST_ON_PURPOSE = {
 
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 OPTIMIZER_CONFIGS = {
-    "sgd": {"lr": 0.5, "momentum": 0.9},
-    "adam": ADAM,
-    "muon": {"lr": 1e-3, "momentum": 0.95, "adam": ADAM},
-    "muonbc": {"lr": 1e-3, "momentum": 0.95, "adam": ADAM, "bias_correction": {"probe_scale": 1.0, "num_probes": 2}},
+    "sgd": SGDSettings(lr=0.5, momentum=0.9),
+    "adam": AdamSettings(**ADAM),
+    "muon": MuonSettings(lr=1e-3, momentum=0.95, adam=ADAM),
+    "muonbc": MuonBCSettings(lr=1e-3, momentum=0.95, adam=ADAM, bias_correction={"probe_scale": 1.0, "num_probes": 2}),
 }
 
 
@@ -109,8 +109,8 @@ def loss_with_nan_rows(model, batch):
 def exercise_private_steps(tie: bool, engine: str, clip_mode: str, secure: bool) -> None:
     model, matrices, privatizer = private_setup(tie, engine, clip_mode, secure)
     named = dict(model.named_parameters())
-    for kind, cfg in OPTIMIZER_CONFIGS.items():
-        optimizer = build_optimizer(kind, OptimizerInputs(named, matrices, privatizer.release_noise_std(), torch.Generator()), cfg)
+    for settings in OPTIMIZER_CONFIGS.values():
+        optimizer = settings.build(OptimizerInputs(named, matrices, privatizer.release_noise_std(), torch.Generator()))
         for _step in range(2):  # the first step also creates the optimizer state
             privatizer.release(lot_with_a_broken_example(), loss_with_nan_rows, step=None)
             optimizer.step()
@@ -161,14 +161,14 @@ def test_the_audit_catches_a_missing_device_in_package_code():
     assert audit.unexplained() == [FactoryCall("privacy/example.py", "forgetful", 2, "zeros")]
 
 
-@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("kind", sorted(OPTIMIZER_CONFIGS))
 def test_bf16_weights_get_bf16_released_gradients_and_fp32_muon_buffers(kind):
     """A model held in bf16 (not just autocast): the release is cast to the parameters' dtype, the
     mechanism's sums and Muon's buffers stay fp32."""
     model, matrices, privatizer = private_setup(tie=True, engine="fast", clip_mode="per_matrix", secure=False)
     model.to(torch.bfloat16)
     named = dict(model.named_parameters())
-    optimizer = build_optimizer(kind, OptimizerInputs(named, matrices, privatizer.release_noise_std(), torch.Generator()), OPTIMIZER_CONFIGS[kind])
+    optimizer = OPTIMIZER_CONFIGS[kind].build(OptimizerInputs(named, matrices, privatizer.release_noise_std(), torch.Generator()))
     before = {n: p.detach().clone() for n, p in named.items()}
     privatizer.release([token_batch(4, seed=5)], per_example_lm_loss)
     assert {(p.grad.dtype, p.grad.device) for p in named.values()} == {(torch.bfloat16, torch.device("cpu"))}

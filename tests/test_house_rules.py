@@ -54,11 +54,18 @@ def test_package_boundaries(package, forbidden):
 
 @pytest.mark.parametrize(
     "light, heavy",
-    [("dpmuon.privacy.accountant", "dpmuon.privacy.engines"), ("dpmuon.privacy", "dpmuon.privacy.privatizer"), ("dpmuon.eval.tables", "torch")],
+    [
+        ("dpmuon.privacy.accountant", "dpmuon.privacy.engines"),
+        ("dpmuon.privacy", "dpmuon.privacy.privatizer"),
+        ("dpmuon.eval.tables", "torch"),
+        ("dpmuon.config", "torch"),
+        ("dpmuon.config", "datasets"),
+    ],
 )
 def test_a_light_import_does_not_load_what_it_does_not_use(light, heavy):
     """The accountant (the calibration CLI, the study) does not load the per-example engines,
-    and the report scripts do not load torch: dpmuon.privacy loads its modules on first use."""
+    the report scripts do not load torch, and reading the options (the settings classes) loads
+    neither torch nor `datasets`: the packages load their modules on first use."""
     code = f"import {light}; import sys; print({heavy!r} in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

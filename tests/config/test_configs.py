@@ -11,10 +11,10 @@ from helpers_train import EXPERIMENTS, GROUPS, compose_config, compose_many
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from dpmuon.config.roster import optimizer_names, optimizer_roster
+from dpmuon.config.roster import group_yaml, optimizer_names, optimizer_roster, stored_settings
+from dpmuon.config.schema import ConfigError, validate
 from dpmuon.models import hidden_matrices
-from dpmuon.optim import DEFAULTS, OPTIMIZERS, OptimizerInputs, build_optimizer
-from dpmuon.optim.registry import _completed
+from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.train import CONFIG_DIR
 
 
@@ -28,13 +28,12 @@ def test_groups_offer_what_the_docs_promise():
 
 
 def combinations(experiment):
-    """optimizer × dataset crossed in full (they interpolate into each other: learning rates,
-    δ); model, privacy and logger cycled so every option of theirs meets every experiment.
+    """optimizer × dataset crossed in full; model, privacy, recipe and logger cycled so every option of theirs meets every experiment.
     The full 192-way product per experiment would cost minutes of Hydra composition."""
-    cycled = [GROUPS["model"], GROUPS["privacy"], GROUPS["logger"]]
+    cycled = [GROUPS["model"], GROUPS["privacy"], GROUPS["recipe"], GROUPS["logger"]]
     for i, (optimizer, dataset) in enumerate(itertools.product(GROUPS["optimizer"], GROUPS["dataset"])):
         overrides = [f"optimizer={optimizer}", f"dataset={dataset}"]
-        overrides += [f"{g}={opts[(i // k) % len(opts)]}" for g, opts, k in zip(("model", "privacy", "logger"), cycled, (1, 1, 2))]
+        overrides += [f"{g}={opts[(i // k) % len(opts)]}" for g, opts, k in zip(("model", "privacy", "recipe", "logger"), cycled, (1, 1, 3, 2))]
         yield overrides + ([f"experiment={experiment}"] if experiment else [])
 
 
@@ -48,9 +47,12 @@ def test_combinations_cover_every_option():
 def test_every_combination_composes_and_resolves(experiment):
     for _, cfg in compose_many(combinations(experiment)):
         resolved = OmegaConf.to_container(cfg, resolve=True)
-        assert resolved["optimizer"]["kind"] in OPTIMIZERS
+        assert resolved["optimizer"]["_target_"] in {e.target for e in optimizer_roster()}
         assert resolved["privacy"]["delta"] == resolved["dataset"]["delta"]
         assert resolved["optimizer"]["lr"] > 0
+        if experiment is None:  # (an experiment may set its own)
+            assert resolved["optimizer"]["lr"] == resolved["recipe"]["lr"][resolved["optimizer"]["name"]]
+            assert resolved["trainer"]["epochs"] == resolved["recipe"]["epochs"]
 
 
 def test_experiments_set_the_paper_protocol():
@@ -80,9 +82,8 @@ def test_each_optimizer_config_builds_its_optimizer(optimizer):
     cfg = compose_config(f"optimizer={optimizer}")
     model = tiny_gpt2()
     opt = build_optimizer(
-        cfg.optimizer.kind,
-        OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model)),
         OmegaConf.to_container(cfg.optimizer, resolve=True),
+        OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model)),
     )
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
     assert cfg.optimizer.private == optimizer.startswith("dp_")
@@ -91,12 +92,26 @@ def test_each_optimizer_config_builds_its_optimizer(optimizer):
 def test_dp_muonbc_is_dp_muon_plus_correction():
     muon, bc = compose_config("optimizer=dp_muon").optimizer, compose_config("optimizer=dp_muonbc").optimizer
     differing = {k for k in set(muon) | set(bc) if muon.get(k) != bc.get(k)}
-    assert differing == {"name", "kind", "display", "bias_correction"}
+    assert differing == {"name", "_target_", "display", "bias_correction"}
 
 
-def test_unknown_optimizer_kind_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid: adam, muon, muonbc, sgd"):
-        build_optimizer("lion", OptimizerInputs(params={}), {})
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer._target_=dpmuon.optim.settings.Lion", "optimizer._target_=dpmuon.optim.settings.Lion: cannot import"),
+        ("optimizer._target_=dpmuon.optim.OptimizerInputs", "not a settings class|not a dataclass"),
+    ],
+)
+def test_a_target_that_is_no_settings_class_is_one_line_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(compose_config(override))
+    assert "\n" not in str(err.value)
+
+
+def test_an_option_without_a_default_must_be_set():
+    """An optimizer the recipe has no rate for must be given one: the error names the key."""
+    with pytest.raises(ConfigError, match="optimizer.lr=null: must be set"):
+        validate(compose_config("optimizer=dp_muon", "optimizer.name=my_muon", "optimizer.adam.lr=0.001"))
 
 
 def test_roster_is_read_by_makefile_sweeps_eval_and_scripts():
@@ -116,42 +131,43 @@ def test_roster_is_read_by_makefile_sweeps_eval_and_scripts():
 
 
 @pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
-def test_builders_receive_the_yaml_defaults_and_nothing_else(optimizer):
-    """What the built optimizer holds is the YAML's value, whether the caller passes the composed
-    section or only a learning rate (then the builder's defaults, which the YAML repeats)."""
-    section = OmegaConf.to_container(compose_config(f"optimizer={optimizer}").optimizer, resolve=True)
+def test_the_built_optimizer_holds_the_configured_values(optimizer):
+    """What the param groups hold is the composed section's value, a changed default included."""
+    changed = "optimizer.momentum=0.5" if optimizer == "dp_sgd" else "optimizer.weight_decay=0.01"
+    section = OmegaConf.to_container(compose_config(f"optimizer={optimizer}", changed).optimizer, resolve=True)
     model = tiny_gpt2()
-    inputs = OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model))
-    partial = {"lr": 0.5, **({"adam": {"lr": 0.25}} if "adam" in section else {})}
-    for given in (section, partial):
-        opt = build_optimizer(section["kind"], inputs, given)
-        expected = _completed(section, given)
-        for group in opt.param_groups:
-            settings = expected["adam"] if group.get("part") == "adam" else expected
-            for key in ("lr", "momentum", "nesterov", "weight_decay", "eps", "ns_steps", "update_scale"):
-                if key in group:
-                    assert group[key] == settings[key], (optimizer, key)
-            if "betas" in group:
-                assert list(group["betas"]) == settings["betas"]
-            if group.get("bias_correction"):
-                assert group["probe_scale"] == expected["bias_correction"]["probe_scale"]
-    assert DEFAULTS[section["kind"]].keys() <= section.keys()  # the completion adds no key of its own
+    opt = build_optimizer(section, OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model)))
+    for group in opt.param_groups:
+        settings = section["adam"] if group.get("part") == "adam" else section
+        for key in ("lr", "momentum", "nesterov", "weight_decay", "eps", "ns_steps", "update_scale"):
+            if key in group:
+                assert group[key] == settings[key], (optimizer, key)
+        if "betas" in group:
+            assert list(group["betas"]) == settings["betas"]
+        if group.get("bias_correction"):
+            assert group["probe_scale"] == section["bias_correction"]["probe_scale"]
 
 
-def agrees_with(section: dict, defaults: dict, where: str = "") -> list[str]:
-    """Keys of `defaults` (recursively) whose value `section` gives differently."""
-    differ = []
-    for key, value in defaults.items():
-        if isinstance(value, dict):
-            differ += agrees_with(section.get(key, {}), value, f"{where}{key}.")
-        elif section.get(key, value) != value:
-            differ.append(f"{where}{key}: {section[key]!r} != {value!r}")
-    return differ
+def values_set_by_files(optimizer: str) -> dict:
+    """Dotted key → value that conf/optimizer/<optimizer>.yaml and the files it extends set themselves."""
+    own = OmegaConf.load(Path(CONFIG_DIR) / "optimizer" / f"{optimizer}.yaml")
+    files = [entry for entry in own.pop("defaults", []) if entry != "_self_" and not entry.startswith("/")]  # not a class's options
+    merged = OmegaConf.to_container(OmegaConf.merge(*(OmegaConf.create(values_set_by_files(f)) for f in files), own))
+    return flattened(merged)
+
+
+def flattened(section: dict) -> dict:
+    """Dotted key → value, one level of nesting deep (as optimizer sections have)."""
+    out = {}
+    for key, value in section.items():
+        out.update({f"{key}.{inner}": v for inner, v in value.items()} if isinstance(value, dict) else {key: value})
+    return out
 
 
 @pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
-def test_the_library_defaults_are_the_yaml_values(optimizer):
-    """dpmuon.optim builds without the repository's configs: a library user who gives only the
-    learning rates gets what conf/optimizer/<name>.yaml trains with."""
-    section = OmegaConf.to_container(compose_config(f"optimizer={optimizer}").optimizer, resolve=True)
-    assert agrees_with(section, DEFAULTS[section["kind"]]) == []
+def test_an_optimizer_yaml_repeats_none_of_its_class_defaults(optimizer):
+    """Options are declared once, in the settings class: a YAML sets only what differs from it."""
+    target = group_yaml("optimizer", optimizer)["_target_"]
+    defaults = OmegaConf.to_container(stored_settings(f"/settings/optimizer/{target.rsplit('.', 1)[-1]}"))
+    defaults = flattened(defaults)
+    assert {key for key, value in values_set_by_files(optimizer).items() if defaults.get(key, object()) == value} == set()

@@ -1,4 +1,5 @@
-"""The schema declares every option of conf/ exactly once, and `--options` is generated from it."""
+"""The schema (the driver's options, and the fields of the classes the groups name) declares
+every option of conf/ exactly once, and `--options` is generated from it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from helpers_train import EXPERIMENTS, GROUPS, compose_many
 from omegaconf import OmegaConf
 
 from dpmuon import train
-from dpmuon.config.schema import BY_KEY, OPTIONS, ConfigError, validate
+from dpmuon.config.schema import FIXED, ConfigError, repo_options, validate
+
+BY_KEY = repo_options()
 
 
 def every_group_option():
@@ -38,7 +41,7 @@ def composed():
 
 
 def test_every_option_in_conf_is_declared_once_and_every_declared_one_is_used(composed):
-    assert len(BY_KEY) == len(OPTIONS)  # no key declared twice
+    assert len({option.key for option in FIXED}) == len(FIXED)  # no key declared twice
     seen = set()
     for cfg in composed:
         container = OmegaConf.to_container(cfg, resolve=False)

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import datasets
 import pytest
 from datasets import load_dataset
 from helpers_tokenizers import CharTokenizer
@@ -69,7 +70,13 @@ def test_encoding_equals_encode_for_training_and_the_length_filter_drops_long_ro
 
     # N for δ < 1/N is what the run samples from: the training examples left after the filter.
     run_data = prepare_data(
-        {"name": "hf", "max_length": limit, "files": one_file_for_every_split(tmp_path / "rows.jsonl"), "cache_dir": str(tmp_path / "cache")},
+        {
+            "_target_": "dpmuon.data.hf.HFDataset",
+            "delta": 1e-5,
+            "max_length": limit,
+            "cache_dir": str(tmp_path / "cache"),
+            "files": one_file_for_every_split(tmp_path / "rows.jsonl"),
+        },  # fmt: skip
         {"root": str(tmp_path)},
         CharTokenizer(),
         context_length=512,
@@ -202,7 +209,7 @@ def test_a_hub_dataset_uses_its_splits_and_carves_the_missing_ones(tmp_path, mon
         asked.append((hub_id, config))
         return load_dataset("json", data_files={"train": str(path), "test": str(path)}, cache_dir=cache_dir)
 
-    monkeypatch.setattr(hf_module.datasets, "load_dataset", hub_with_train_and_test)
+    monkeypatch.setattr(datasets, "load_dataset", hub_with_train_and_test)
     settings = HFSettings.from_config({"hub_id": "someone/tables", "hub_config": "v1", "cache_dir": str(tmp_path / "cache"), "holdout_fraction": 0.2}, tmp_path)
     data = HFReader(settings, CharTokenizer())
     train, valid, test = (data.examples(split) for split in ("train", "valid", "test"))

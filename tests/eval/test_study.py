@@ -121,7 +121,7 @@ def test_the_data_fingerprint_is_the_examples_content_not_their_path(tmp_path: P
     copy = tmp_path / "elsewhere"
     shutil.copytree(root / "e2e", copy / "e2e")  # the same files under another path
     tokenizer = load_tokenizer()  # $DPMUON_TOKENIZER
-    dataset = {"name": "e2e", "max_length": 100}
+    dataset = {"_target_": "dpmuon.data.e2e.E2ESettings"}
 
     def fingerprint(data_root: Path, examples: int) -> str:
         limits = {"max_train_examples": examples, "max_valid_examples": 1, "max_test_sources": 1}

@@ -47,3 +47,10 @@ def test_weights_fingerprint_survives_a_save_and_load_and_sees_one_changed_entry
     with torch.no_grad():
         next(loaded.transformer.h[0].parameters()).view(-1)[0] += 1e-6
     assert weights_fingerprint(loaded) != weights_fingerprint(saved)
+
+
+def test_the_architecture_option_offers_exactly_the_registered_families():
+    from dpmuon.models import ARCHITECTURES
+    from dpmuon.models.settings import ARCHITECTURE_NAMES
+
+    assert ARCHITECTURE_NAMES == tuple(ARCHITECTURES)

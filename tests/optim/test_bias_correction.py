@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpmuon.optim import bias_corrected_newton_schulz, newton_schulz
+from dpmuon.optim import bias_corrected_newton_schulz
+from dpmuon.optim.newton_schulz import newton_schulz
 
 NS = dict(steps=8, coefficients="series:2")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpmuon.optim import QUINTIC_TUNED, newton_schulz, resolve_coefficients, series_coefficients
+from dpmuon.optim.newton_schulz import QUINTIC_TUNED, newton_schulz, resolve_coefficients, series_coefficients
 
 
 def polar_factor(M: torch.Tensor) -> torch.Tensor:

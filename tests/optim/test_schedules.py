@@ -14,7 +14,7 @@ from helpers_train import compose_config, require_real_data
 from torch.optim.lr_scheduler import LambdaLR
 
 from dpmuon.models import hidden_matrices
-from dpmuon.optim import HybridOptimizer, OptimizerInputs, build_optimizer
+from dpmuon.optim import HybridOptimizer, MuonSettings, OptimizerInputs
 from dpmuon.optim.schedules import build_scheduler, lr_factor
 from dpmuon.training.loop import run
 
@@ -27,7 +27,7 @@ MUON_CFG = {
 
 def hybrid(seed: int = 0):
     model = tiny_gpt2()
-    opt = build_optimizer("muon", OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model)), MUON_CFG)
+    opt = MuonSettings(**MUON_CFG).build(OptimizerInputs(params=dict(model.named_parameters()), hidden_matrices=hidden_matrices(model)))
     return model, opt
 
 

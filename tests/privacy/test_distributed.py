@@ -16,7 +16,7 @@ from helpers_train import require_real_data, seed_file_override
 
 from dpmuon.eval.runs import read_run_rows
 from dpmuon.models import hidden_matrices, per_example_lm_loss
-from dpmuon.optim import OptimizerInputs, build_optimizer
+from dpmuon.optim import MuonBCSettings, OptimizerInputs
 from dpmuon.privacy import DataParallel, GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, build_partition
 
 DATA = token_batch(40, seed=11)
@@ -33,10 +33,8 @@ def train_steps(parallel: DataParallel, secure: bool = False) -> dict:
         model, partition, noise_multiplier=0.8, expected_lot_size=8, sample_rate=0.2, accountant=PrivacyAccountant(1e-5),
         noise=GaussianNoise(secure=True) if secure else GaussianNoise(SecretStream(5)), parallel=parallel,
     )  # fmt: skip
-    optimizer = build_optimizer(
-        "muonbc",
-        OptimizerInputs(dict(model.named_parameters()), hidden_matrices(model), privatizer.release_noise_std(), torch.Generator().manual_seed(6)),
-        MUONBC,
+    optimizer = MuonBCSettings(**MUONBC).build(
+        OptimizerInputs(dict(model.named_parameters()), hidden_matrices(model), privatizer.release_noise_std(), torch.Generator().manual_seed(6))
     )
     released, lot_sizes = [], []
     for lot in LOTS:

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_gpt2, token_batch
 
 from dpmuon.models import hidden_matrices, per_example_lm_loss
-from dpmuon.optim import OptimizerInputs, build_optimizer
+from dpmuon.optim import AdamSettings, MuonBCSettings, MuonSettings, OptimizerInputs, SGDSettings
 from dpmuon.privacy import NonPrivateRelease, PrivacyAccountant, Privatizer, build_partition
 
 # Adam divides by √v + eps: where the true gradient is exactly 0 (GPT-2's attention key bias),
@@ -24,19 +24,18 @@ CONFIGS = {
     "muon": {"lr": 0.01, "momentum": 0.95, "adam": ADAM},
     "muonbc": {"lr": 0.01, "momentum": 0.95, "adam": ADAM, "bias_correction": {"probe_scale": 1.0, "num_probes": 1}},
 }
+SETTINGS = {"sgd": SGDSettings, "adam": AdamSettings, "muon": MuonSettings, "muonbc": MuonBCSettings}
 NON_PRIVATE_TWIN = {"sgd": "sgd", "adam": "adam", "muon": "muon", "muonbc": "muon"}
 
 
 def train(model, release, name: str, batches):
-    opt = build_optimizer(
-        name,
+    opt = SETTINGS[name](**CONFIGS[name]).build(
         OptimizerInputs(
             params=dict(model.named_parameters()),
             hidden_matrices=hidden_matrices(model),
             release_noise_std=release.release_noise_std(),
             generator=torch.Generator().manual_seed(0),
-        ),
-        CONFIGS[name],
+        )
     )
     for batch in batches:
         # The lot is split into two physical micro-batches: the mechanism must not notice.

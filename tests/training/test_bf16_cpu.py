@@ -69,7 +69,7 @@ def private_training(optimizer: str, precision: str, engine: str = "fast", tie: 
     )  # fmt: skip
     cfg = optimizer_config(optimizer)
     inputs = OptimizerInputs(named, matrices, privatizer.release_noise_std(), torch.Generator().manual_seed(5))
-    opt = build_optimizer(cfg["kind"], inputs, cfg)
+    opt = build_optimizer(cfg, inputs)
     autocast = autocast_factory(precision, torch.device("cpu"))
 
     def loss_fn(m, batch):

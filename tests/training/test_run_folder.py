@@ -97,7 +97,7 @@ def test_a_checkpoint_continues_only_the_configuration_that_wrote_it(tmp_path):
     check_same_run(written, compose_config(*OVERRIDES, "trainer.num_threads=2", "logging.progress=true"), tmp_path)
     with pytest.raises(UserError, match=r"differs at optimizer.lr\)"):
         check_same_run(written, compose_config(*OVERRIDES, "optimizer.lr=0.5"), tmp_path)
-    with pytest.raises(UserError, match=r"differs at optimizer.name, optimizer.betas, "):
+    with pytest.raises(UserError, match=r"differs at optimizer.name, optimizer._target_, optimizer.betas, "):
         check_same_run(written, compose_config(*OVERRIDES, "optimizer=dp_adam"), tmp_path)
 
 

@@ -75,7 +75,7 @@ RESUME = "resume with: python -m dpmuon.train resume={run_dir}"
 @pytest.mark.parametrize(
     "where, signame, advice",
     [
-        ("dpmuon.training.loop:build_model", "SIGINT", RERUN),
+        ("dpmuon.training.loop:hidden_matrices", "SIGINT", RERUN),  # right after the model is built
         pytest.param("dpmuon.training.loop:decode", "SIGTERM", RESUME, marks=pytest.mark.slow),  # trains first
     ],
     ids=["setup", "decoding"],

@@ -9,6 +9,6 @@ from omegaconf import DictConfig
 from ..paths import CONFIG_DIR
 
 
-def compose_config(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+def compose_config(*overrides: str, config_dir: str = str(CONFIG_DIR)) -> DictConfig:
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))

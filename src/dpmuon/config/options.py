@@ -1,7 +1,8 @@
 """`python -m dpmuon.train --options`: every option with its type, default and help.
 
-Types, ranges and help come from the schema; defaults from composing conf/ itself (the one
-place they live), per option of a config group where they differ between its options.
+Types, ranges and help come from the schema (and the classes the groups' `_target_` names);
+defaults from composing conf/ itself, per option of a config group where they differ between
+its options.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from .schema import OPTIONS, Option, shown_value
+from .schema import Option, repo_options, shown_value
 
-GROUPS = ("dataset", "model", "optimizer", "privacy", "logger")  # conf/<group>/*.yaml
-SECTIONS = ("", "data", "dataset", "model", "optimizer", "privacy", "trainer", "eval", "logging", "logger")
+GROUPS = ("dataset", "model", "optimizer", "privacy", "recipe", "logger")  # conf/<group>/*.yaml
+SECTIONS = ("", "data", "dataset", "model", "optimizer", "recipe", "privacy", "trainer", "eval", "logging", "logger")
 MISSING = object()
 
 
@@ -24,7 +25,7 @@ def describe_options(config_dir: str) -> str:
     lines = ["dpmuon options: python -m dpmuon.train [group=option ...] [key=value ...]", ""]
     for section in SECTIONS:
         lines.append(section_header(section, choices, defaults["__choices__"]))
-        for option in (o for o in OPTIONS if o.group == section):
+        for option in (o for o in repo_options().values() if o.group == section):
             lines.append(option_line(option, defaults.get(option.key, {})))
         lines.append("")
     lines.append(f"experiment=  (conf/experiment/, # @package _global_ deltas): {', '.join(choices['experiment'])}")
@@ -51,7 +52,7 @@ def collect_defaults(config_dir: str) -> dict:
 
 
 def _record(values: dict, label: str, cfg, group: str | None = None) -> None:
-    for option in OPTIONS:
+    for option in repo_options().values():
         if group is not None and option.group != group:
             continue
         value = OmegaConf.select(cfg, option.key, default=MISSING, throw_on_resolution_failure=False)

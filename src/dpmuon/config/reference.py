@@ -17,19 +17,20 @@ from pathlib import Path
 from ..errors import shown_value
 from ..paths import CONFIG_DIR, REPO_ROOT
 from .options import GROUPS, SECTIONS, collect_defaults, group_options
-from .schema import OPTIONS, Option
+from .schema import Option, repo_options
 
 PAGE = REPO_ROOT / "docs" / "configuration-reference.md"
 REGENERATE = "make docs (or: python -m dpmuon.config.reference)"
 
 INTRO = f"""# Configuration reference
 
-<!-- Generated from src/dpmuon/config/schema.py and conf/ by `python -m dpmuon.config.reference`; do not edit: {REGENERATE} rewrites it. -->
+<!-- Generated from config/schema.py, the settings classes and conf/ by `python -m dpmuon.config.reference`; do not edit: {REGENERATE} rewrites it. -->
 
 Every option of `python -m dpmuon.train` (the same as `python -m dpmuon.train --options`). Set one on
 the command line as `key=value`, choose a config group's option as `group=option`. *Valid* is what the
-check before any data or model is read accepts (`src/dpmuon/config/schema.py`); *default* is the
-composed `conf/` (the one place defaults live; shown without `DPMUON_*` environment variables), and
+check before any data or model is read accepts (`src/dpmuon/config/schema.py`, and for an optimizer's
+or a dataset's own options the fields of the class its `_target_` names); *default* is the composed
+`conf/` completed with those classes' defaults (shown without `DPMUON_*` environment variables), and
 for a config group's keys the value each of its options gives, where they differ. How the options
 fit together: [Configuration](configuration.md).
 """
@@ -64,7 +65,7 @@ def _section(section: str, choices: dict, defaults: dict) -> str:
         where = f"Choose with `{section}=NAME`, one of {options} (default `{chosen}`; `conf/{section}/NAME.yaml`)."
     else:
         where = "Set in `conf/config.yaml`."
-    rows = [_row(option, defaults.get(option.key, {})) for option in OPTIONS if option.group == section]
+    rows = [_row(option, defaults.get(option.key, {})) for option in repo_options().values() if option.group == section]
     table = "\n".join(["| key | valid | default | description |", "|---|---|---|---|", *rows])
     return f"## {section or 'top level'}\n\n{where}\n\n{table}\n"
 

@@ -1,9 +1,10 @@
 """The optimizer roster: `conf/optimizer/*.yaml` is the one list of optimizers.
 
 The Makefile, the sweeps, table and curve ordering and colours, the reproduction and bench
-scripts and the tests read it from here; adding an optimizer is one class, one builder (in
-dpmuon.optim.registry) and one YAML. Reads the YAML files only (no Hydra, no torch), so that
-`python -m dpmuon.config.roster --private` is cheap enough for the Makefile.
+scripts and the tests read it from here; adding an optimizer is its settings class and one YAML
+listing it in its defaults. Reads the YAML files and the settings classes' stored options (no
+composition, no torch), so that `python -m dpmuon.config.roster --private` is cheap enough for
+the Makefile.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import functools
 from dataclasses import dataclass
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from ..paths import CONFIG_DIR
@@ -22,17 +24,24 @@ OPTIMIZER_DIR = CONFIG_DIR / "optimizer"
 @dataclass(frozen=True)
 class RosterEntry:
     name: str
-    kind: str
+    target: str  # the settings class (`_target_`)
     private: bool
     rank: int
     color: str
 
 
-def optimizer_yaml(name: str) -> DictConfig:
-    """conf/optimizer/<name>.yaml merged over the files its `defaults` list names (unresolved)."""
-    own = OmegaConf.load(OPTIMIZER_DIR / f"{name}.yaml")
+def group_yaml(group: str, name: str) -> DictConfig:
+    """conf/<group>/<name>.yaml merged over what its `defaults` list names (unresolved): the
+    group's other files, and a settings class's options (`/settings/<group>/<Class>@_here_`)."""
+    own = OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml")
     parents = [entry for entry in own.pop("defaults", []) if entry != "_self_"]
-    return OmegaConf.merge(*(optimizer_yaml(parent) for parent in parents), own)
+    return OmegaConf.merge(*(stored_settings(entry) if entry.startswith("/") else group_yaml(group, entry) for entry in parents), own)
+
+
+def stored_settings(entry: str) -> DictConfig:
+    """The options a settings class stored in Hydra's ConfigStore (dpmuon.settings.settings)."""
+    path = entry.split("@")[0].lstrip("/")
+    return OmegaConf.create(ConfigStore.instance().load(f"{path}.yaml").node)
 
 
 @functools.cache
@@ -40,8 +49,8 @@ def optimizer_roster() -> tuple[RosterEntry, ...]:
     """Every optimizer of conf/optimizer/, in display order (rank, then name)."""
     entries = []
     for path in OPTIMIZER_DIR.glob("*.yaml"):
-        cfg = optimizer_yaml(path.stem)
-        entries.append(RosterEntry(path.stem, str(cfg.kind), bool(cfg.private), int(cfg.display.rank), str(cfg.display.color)))
+        cfg = group_yaml("optimizer", path.stem)
+        entries.append(RosterEntry(path.stem, str(cfg._target_), bool(cfg.private), int(cfg.display.rank), str(cfg.display.color)))
     return tuple(sorted(entries, key=lambda e: (e.rank, e.name)))
 
 

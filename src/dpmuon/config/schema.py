@@ -1,7 +1,9 @@
 """The configuration schema: one declaration per option (type, allowed values, help).
 
-Defaults live in `conf/` (one YAML value per option, the composed config is the default); this
-module says what each value may be. `validate` checks a composed config before anything is
+The driver's own options are declared here, with their defaults in `conf/`. A config group whose
+section names a class in `_target_` (an optimizer, a dataset, a model) takes the rest from that class's
+fields (`dpmuon.settings.option`: type, default, checks, help), declared once beside the code
+that uses them (`dpmuon.settings`). This module says what each value may be. `validate` checks a composed config before anything is
 read or loaded, so a mistyped or out-of-range value ends in one line naming the key:
 
     error: privacy.clip_norm=-1: must be > 0; valid: a number > 0
@@ -10,18 +12,24 @@ read or loaded, so a mistyped or out-of-range value ends in one line naming the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
+import functools
 import math
 import os
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import ConfigError, UserError, one_line, shown_value  # noqa: F401  (ConfigError, one_line: re-exported)
+from ..paths import CONFIG_DIR
 
 ABSENT = object()
 
@@ -61,7 +69,7 @@ class Option:
         elif self.kind == "betas":
             text = "[β1, β2] with 0 <= β < 1"
         elif self.kind == "mapping":
-            text = "a mapping, e.g. {e2e: 1e-3}"
+            text = "a mapping, e.g. {dp_adam: 1e-3}"
         elif self.kind == "ns_coefficients":
             text = "quintic | series:K (K >= 1) | [c0, c1, ...]"
         elif self.kind == "any":
@@ -199,7 +207,8 @@ def Choice(key, choices, help, nullable=False) -> Option:
     return Option(key, "choice", help, choices=tuple(choices), nullable=nullable)
 
 
-OPTIONS: tuple[Option, ...] = (
+# The driver's own options; the classes that groups name in `_target_` declare the rest.
+FIXED: tuple[Option, ...] = (
     # ---- top level
     Int("seed", "public seed: initialisation, dropout, DP-MuonBC probes (never the mechanism)", ge=0),
     Option("resume", "path", "run directory to continue (its stored config is used)", nullable=True),
@@ -210,71 +219,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("data.max_valid_examples", "int", "use only the first N validation examples (null: all)", nullable=True, ge=1),
     Option("data.max_test_sources", "int", "score only the first N test sources (null: all)", nullable=True, ge=1),
     # ---- dataset
-    Choice("dataset.name", ("e2e", "dart", "hf"), "the private dataset (hf: your own files through Hugging Face datasets)"),
-    Choice("dataset.format", ("prefix", "csv", "json"), "file format read (E2E: prefix or csv; DART: json)"),
-    Int("dataset.max_length", "drop training sequences longer than this many tokens", ge=1),
-    Option("dataset.exclude_origins", "list", "drop examples of these DART annotation origins, e.g. [e2e]"),
-    Option("dataset.files.train", "text", "hf: the training file (.json/.jsonl, .csv, .txt; relative to the working directory)", nullable=True),
-    Option("dataset.files.validation", "text", "hf: the validation file (null: carved from train by source hash)", nullable=True),
-    Option("dataset.files.test", "text", "hf: the test file (null: carved from train by source hash)", nullable=True),
-    Choice("dataset.builder", ("json", "csv", "text"), "hf: the datasets builder (null: from each file's extension)", nullable=True),
-    Option("dataset.hub_id", "text", "hf: a Hugging Face hub dataset instead of files (downloads)", nullable=True),
-    Option("dataset.hub_config", "text", "hf: the hub dataset's configuration name", nullable=True),
-    Option("dataset.source_key", "text", "hf: the column holding the source (text, mapping or triples)"),
-    Option("dataset.target_key", "text", "hf: the column holding the reference (text or list of texts)"),
-    Float("dataset.holdout_fraction", "hf: share of train sources hashed into each split given no file", gt=0, lt=0.5),
-    Option("dataset.cache_dir", "text", "hf: where the tokenization cache goes (null: <data root>/hf_cache)", nullable=True),
-    Float("dataset.epochs", "epochs of the recipe (trainer.epochs defaults to it)", gt=0),
-    Float("dataset.delta", "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1),
+    Option("dataset._target_", "text", "the dataset's settings class (its fields are the other options; reader() reads it)"),
     # ---- model
-    Option("model.name", "text", "model label in summaries and tables"),
-    Option("model.name_or_path", "model_source", "pretrained weights: hub id or local directory (null: random init)", nullable=True),
-    Option("model.tokenizer", "model_source", "tokenizer: hub id or local directory ($DPMUON_TOKENIZER, else gpt2)"),
-    Int("model.bpe_merges", "keep the first K merges of GPT-2's BPE (null: all)", nullable=True, ge=1),
-    Int("model.n_layer", "transformer layers (random init)", ge=1),
-    Int("model.n_embd", "embedding width (random init); a multiple of n_head", ge=1),
-    Int("model.n_head", "attention heads (random init)", ge=1),
-    Int("model.n_positions", "context length (random init)", ge=1),
-    Choice("model.architecture", ("gpt2", "llama", "qwen2"), "random-init architecture family (null: gpt2)", nullable=True),
-    Int("model.n_kv_head", "key/value heads, dividing n_head (random-init llama/qwen2: grouped-query attention; null: n_head)", nullable=True, ge=1),
-    Int("model.intermediate_size", "MLP width (random init; null: 4 × n_embd)", nullable=True, ge=1),
-    Bool("model.untie_head", "give the LM head its own parameter instead of the token embedding"),
-    Option("model.dropout", "float", "dropout probability (public randomness; null: a pretrained checkpoint's own)", nullable=True, ge=0, lt=1),
-    Int("model.lora.r", "LoRA rank: train adapters on the frozen model (null: full fine-tuning)", nullable=True, ge=1),
-    Float("model.lora.alpha", "LoRA: adapters add (alpha / r) · B A x (null: alpha = r)", nullable=True, gt=0),
-    Float("model.lora.dropout", "LoRA: dropout probability on the adapters' input (public randomness)", ge=0, lt=1),
-    Option("model.lora.target_modules", "list", "LoRA: module names to adapt (null: every attention and MLP projection of gpt2 / Llama-like)", nullable=True),
-    Bool("model.lora.train_embeddings", "LoRA: also train the token embedding and LM head (position embeddings, norms stay frozen)"),
-    # ---- optimizer (keys of every kind; each YAML sets those of its kind)
-    Option("optimizer.name", "text", "optimizer label (the YAML's file name)"),
-    Choice("optimizer.kind", ("sgd", "adam", "muon", "muonbc"), "which builder of dpmuon.optim.registry"),
-    Bool("optimizer.private", "clip, noise and account (false: the non-private reference)"),
-    Option("optimizer.display.rank", "int", "row order in tables and curves", ge=0),
-    Option("optimizer.display.color", "text", "colour in every figure"),
-    Option("optimizer.recipe_lr", "mapping", "the recipe's learning rate per dataset name (lr and adam.lr default to it)"),
-    Float("optimizer.lr", "learning rate (peak of the schedule)", gt=0),
-    Choice("optimizer.schedule", ("constant", "linear", "cosine"), "learning-rate schedule over the planned steps (public: no privacy cost)"),
-    Int("optimizer.warmup_steps", "linear warmup over the first N steps (0: none)", ge=0),
-    Float("optimizer.momentum", "momentum β", ge=0, lt=1),
-    Bool("optimizer.nesterov", "Nesterov momentum"),
-    Float("optimizer.weight_decay", "decoupled weight decay", ge=0),
-    Option("optimizer.betas", "betas", "Adam's (β1, β2)"),
-    Float("optimizer.eps", "Adam ε", gt=0),
-    Choice("optimizer.momentum_kind", ("heavy_ball", "ema"), "Muon momentum: m = βm + g, or m = βm + (1-β)g"),
-    Int("optimizer.ns_steps", "Newton–Schulz iterations", ge=1),
-    Option("optimizer.ns_coefficients", "ns_coefficients", "Newton–Schulz polynomial: quintic | series:K | [a, b, c]"),
-    Choice("optimizer.ns_normalize", ("frobenius", "max1"), "normalisation before Newton–Schulz"),
-    Choice("optimizer.ns_dtype", ("bfloat16",), "Newton–Schulz dtype (null: the parameter's)", nullable=True),
-    Choice("optimizer.update_scale", ("adam_rms", "reference", "none"), "Muon update scale"),
-    Float("optimizer.adam.lr", "learning rate of the Adam part (non-matrix tensors)", gt=0),
-    Option("optimizer.adam.betas", "betas", "Adam part (β1, β2)"),
-    Float("optimizer.adam.eps", "Adam part ε", gt=0),
-    Float("optimizer.adam.weight_decay", "Adam part decoupled weight decay", ge=0),
-    Float("optimizer.bias_correction.probe_scale", "DP-MuonBC probe scale ρ / s", gt=0),
-    Int("optimizer.bias_correction.num_probes", "DP-MuonBC antithetic probe pairs K", ge=1),
-    Float("optimizer.bias_correction.min_snr", "correct only where the public SNR estimate exceeds this (null: always)", nullable=True),
-    Bool("optimizer.bias_correction.match_norm", "rescale F_BC(M) per matrix to ‖F(M)‖_F: the correction changes only the direction"),
-    Choice("optimizer.bias_correction.noise_std", ("buffer", "step"), "DP-MuonBC's s: the momentum buffer's noise std, or one step's release"),
+    Option("model._target_", "text", "the model's settings class (its fields are the other options; build() makes the model)"),
+    # ---- optimizer (its class, `_target_`, declares the rest: dpmuon.optim.settings)
+    Option("optimizer._target_", "text", "the optimizer's settings class (its fields are the other options; build() makes it)"),
+    # ---- recipe
+    Option("recipe.lr", "mapping", "learning rate per optimizer name (optimizer.lr, and a Muon's adam.lr, default to its entry)"),
+    Float("recipe.epochs", "epochs of the recipe (trainer.epochs defaults to them)", gt=0),
     # ---- privacy
     Float("privacy.target_epsilon", "ε of the (ε, δ) guarantee", gt=0),
     Float("privacy.delta", "δ of the guarantee; must be < 1/N", gt=0, lt=1),
@@ -331,17 +283,84 @@ OPTIONS: tuple[Option, ...] = (
     Choice("logger.mode", ("online", "offline", "disabled"), "W&B mode (null: online with an API key, else offline)", nullable=True),
 )
 
-BY_KEY = {option.key: option for option in OPTIONS}
+SETTINGS_GROUPS = ("optimizer", "dataset", "model")  # groups whose `_target_` class declares their options
+# Annotated types → option kinds (a field's `kind` metadata overrides).
+KIND_OF_TYPE = {float: "float", int: "int", bool: "bool", str: "text", list: "list", dict: "mapping"}
 
 
-def configured(cfg: DictConfig, key: str) -> Any:
+def target_class(group: str, target: Any) -> type:
+    """The settings class a group's `_target_` names."""
+    try:
+        cls = get_class(str(target))
+    except Exception as err:  # Hydra wraps the import error in its own
+        valid = "a settings class, e.g. dpmuon.optim.settings.AdamSettings"
+        raise ConfigError(f"{group}._target_", target, f"cannot import ({one_line(err)})", valid) from None
+    if not dataclasses.is_dataclass(cls) or not all("help" in f.metadata for f in dataclasses.fields(cls)):
+        raise ConfigError(f"{group}._target_", target, "not a settings class", "a dataclass whose fields are options (dpmuon.settings.option)")
+    return cls
+
+
+def declared_options(prefix: str, cls: type) -> list[Option]:
+    """The options `cls` declares as fields, under `prefix` (a nested settings class: its own keys)."""
+    hints = typing.get_type_hints(cls)
+    options = []
+    for f in dataclasses.fields(cls):
+        key, meta = f"{prefix}.{f.name}", f.metadata
+        hint, nullable = _without_none(hints[f.name])
+        if dataclasses.is_dataclass(hint):
+            options += declared_options(key, hint)
+            continue
+        kind = meta.get("kind") or ("choice" if meta.get("choices") else KIND_OF_TYPE.get(typing.get_origin(hint) or hint, "any"))
+        bounds = {bound: meta.get(bound) for bound in ("gt", "ge", "lt")}
+        options.append(Option(key, kind, meta.get("help", ""), nullable=nullable, choices=tuple(meta.get("choices", ())), **bounds))
+    return options
+
+
+def _without_none(hint: Any) -> tuple[Any, bool]:
+    """(the type, whether None is allowed) of an annotation such as `float | None`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return (args[0] if len(args) == 1 else hint), len(args) < len(typing.get_args(hint))
+    return hint, False
+
+
+def options_for(cfg: DictConfig) -> dict[str, Option]:
+    """The options of this config: the driver's, and those of the classes its groups name."""
+    options = {option.key: option for option in FIXED}
+    for group in SETTINGS_GROUPS:
+        target = OmegaConf.select(cfg, f"{group}._target_", default=None)
+        if target is not None:
+            options.update((o.key, o) for o in declared_options(group, target_class(group, target)))
+    return options
+
+
+@functools.cache
+def repo_options() -> dict[str, Option]:
+    """Every option of the repository's configs: the driver's, and those of every class a file of
+    conf/optimizer/, conf/dataset/ or conf/model/ names (the first declaration of a key wins)."""
+    from .roster import group_yaml  # (the roster imports this module's package)
+
+    options = {option.key: option for option in FIXED}
+    for group in SETTINGS_GROUPS:
+        for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
+            target = group_yaml(group, path.stem).get("_target_")
+            for option in declared_options(group, target_class(group, target)) if target else ():
+                options.setdefault(option.key, option)
+    return options
+
+
+def configured(cfg: DictConfig, key: str, option: Option | None = None) -> Any:
     """The composed, resolved value of `key`, or ABSENT if this config has no such key."""
+    option = option or repo_options()[key]
+    parent, _, leaf = key.rpartition(".")
+    section = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    if isinstance(section, DictConfig) and leaf in section.keys() and OmegaConf.is_missing(section, leaf):
+        raise ConfigError(key, None, "must be set (it has no default)", option.valid())
     try:
         value = OmegaConf.select(cfg, key, default=ABSENT, throw_on_missing=True)
     except OmegaConfBaseException as err:
-        raise ConfigError(
-            key, OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False), f"cannot resolve ({one_line(err)})", BY_KEY[key].valid()
-        ) from None
+        shown = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+        raise ConfigError(key, shown, f"cannot resolve ({one_line(err)})", option.valid()) from None
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
     return value
@@ -349,9 +368,10 @@ def configured(cfg: DictConfig, key: str) -> Any:
 
 def validate(cfg: DictConfig) -> None:
     """Check every declared option that the composed config sets; raise ConfigError on the first bad one."""
-    _check_known_keys(cfg)
-    for option in OPTIONS:
-        value = configured(cfg, option.key)
+    options = options_for(cfg)
+    _check_known_keys(cfg, options)
+    for option in options.values():
+        value = configured(cfg, option.key, option)
         if value is not ABSENT:
             option.check(value)
     _check_heads(cfg)
@@ -363,23 +383,24 @@ def validate(cfg: DictConfig) -> None:
 CONTAINER_KINDS = {"mapping", "list", "betas", "ns_coefficients", "any"}
 
 
-def is_option(key: str) -> bool:
-    """A declared option, or a key inside a declared mapping (optimizer.recipe_lr.e2e)."""
-    return key in BY_KEY or any(key.startswith(f"{name}.") for name, option in BY_KEY.items() if option.kind in CONTAINER_KINDS)
+def is_option(key: str, options: dict[str, Option] | None = None) -> bool:
+    """A declared option, or a key inside a declared mapping (recipe.lr.dp_adam)."""
+    options = repo_options() if options is None else options
+    return key in options or any(key.startswith(f"{name}.") for name, option in options.items() if option.kind in CONTAINER_KINDS)
 
 
-def unknown_option(key: str, value: Any) -> ConfigError:
+def unknown_option(key: str, value: Any, options: dict[str, Option] | None = None) -> ConfigError:
     """`key=value: not an option`, with the declared keys it is closest to."""
-    near = difflib.get_close_matches(key, BY_KEY, n=3, cutoff=0.75)
+    near = difflib.get_close_matches(key, repo_options() if options is None else options, n=3, cutoff=0.75)
     hint = f" (did you mean {' or '.join(near)}?)" if near else ""
     return ConfigError(key, value, "not an option", f"an option listed by python -m dpmuon.train --options{hint}")
 
 
-def _check_known_keys(cfg: DictConfig) -> None:
+def _check_known_keys(cfg: DictConfig, options: dict[str, Option]) -> None:
     """Every key of the config is declared: a `+key=` or a YAML typo would otherwise be ignored."""
 
     def walk(prefix: str, node: Any):
-        if isinstance(node, dict) and node and prefix not in BY_KEY:
+        if isinstance(node, dict) and node and prefix not in options:
             for key, value in node.items():
                 if not (prefix == "" and key == "hydra"):  # Hydra's own section, where a caller kept it
                     yield from walk(f"{prefix}.{key}" if prefix else str(key), value)
@@ -387,8 +408,8 @@ def _check_known_keys(cfg: DictConfig) -> None:
             yield prefix, node
 
     for key, value in walk("", OmegaConf.to_container(cfg, resolve=False)):
-        if not is_option(key):
-            raise unknown_option(key, value)
+        if not is_option(key, options):
+            raise unknown_option(key, value, options)
 
 
 def _check_sampling(cfg: DictConfig) -> None:
@@ -429,7 +450,7 @@ def blamed_on(key: str, value: Any):
         yield
     except (ValueError, TypeError, OSError) as err:  # DataError is a ValueError
         cause = err.__cause__ if isinstance(err.__cause__, (ValueError, TypeError, OSError)) else err
-        raise ConfigError(key, value, *_explain(BY_KEY[key], value, cause)) from err
+        raise ConfigError(key, value, *_explain(repo_options()[key], value, cause)) from err
 
 
 def _explain(option: Option, value: Any, err: BaseException) -> tuple[str, str]:

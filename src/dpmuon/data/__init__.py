@@ -3,42 +3,43 @@
 Readers are pure functions of their input file (no caches; the `datasets` reader caches only
 its tokenization, keyed by the file's content), and every problem a user can fix is raised as
 `DataError` with the file, the line (or row) and what was expected.
+
+The names below load their module on first use (PEP 562): the configs read the datasets'
+options (their settings classes) without loading torch, `transformers` or `datasets`.
 """
 
-from dpmuon.data.collate import collate, collate_prompts
-from dpmuon.data.dart import read_dart_json
-from dpmuon.data.e2e import read_e2e_csv, read_e2e_prefix
-from dpmuon.data.encoding import (
-    EncodedExample,
-    encode_for_training,
-    encode_prompt,
-)
-from dpmuon.data.errors import DataError
-from dpmuon.data.hf import HFReader, HFSettings
-from dpmuon.data.layout import DATASETS, SPLITS, default_data_root, locate_split
-from dpmuon.data.loading import load_examples
-from dpmuon.data.records import EvalItem, Example, group_references
-from dpmuon.data.tokenizer import load_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "DATASETS",
-    "SPLITS",
-    "DataError",
-    "EncodedExample",
-    "EvalItem",
-    "Example",
-    "HFReader",
-    "HFSettings",
-    "collate",
-    "collate_prompts",
-    "default_data_root",
-    "encode_for_training",
-    "encode_prompt",
-    "group_references",
-    "load_examples",
-    "load_tokenizer",
-    "locate_split",
-    "read_dart_json",
-    "read_e2e_csv",
-    "read_e2e_prefix",
-]
+from dpmuon.lazy import lazy_exports
+
+# name → the submodule that defines it
+_EXPORTS = {
+    "collate": "collate",
+    "collate_prompts": "collate",
+    "read_dart_json": "dart",
+    "DARTSettings": "dart",
+    "DatasetSettings": "dataset",
+    "read_e2e_csv": "e2e",
+    "read_e2e_prefix": "e2e",
+    "E2ESettings": "e2e",
+    "EncodedExample": "encoding",
+    "encode_for_training": "encoding",
+    "encode_prompt": "encoding",
+    "DataError": "errors",
+    "HFDataset": "hf",
+    "HFReader": "hf",
+    "HFSettings": "hf",
+    "DATASETS": "layout",
+    "SPLITS": "layout",
+    "default_data_root": "layout",
+    "locate_split": "layout",
+    "load_examples": "loading",
+    "EvalItem": "records",
+    "Example": "records",
+    "group_references": "records",
+    "load_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

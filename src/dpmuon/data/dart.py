@@ -4,13 +4,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 from typing import Any
 
+from dpmuon.data.dataset import DatasetSettings, FileReader
 from dpmuon.data.errors import DataError
 from dpmuon.data.records import Example
 from dpmuon.data.textio import open_text
+from dpmuon.settings import option, settings
+
+
+@settings("dataset")
+@dataclass(kw_only=True)
+class DARTSettings(DatasetSettings):
+    """DART (data/layout.py: under <data root>/dart/), with the recipe's δ."""
+
+    name: str = option("dart", "the private set's name (run folders, the ledger, tables)")
+    format: str = option("json", "file format read", choices=("json",))
+    max_length: int = option(120, "drop training sequences longer than this many tokens", ge=1)
+    # e.g. [e2e] keeps DART disjoint from E2E; every split of the run is filtered the same way.
+    exclude_origins: list = option(factory=list, help="drop examples of these annotation origins (DART's sources, e.g. [e2e])")
+    delta: float = option(1.0e-5, "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1)
+
+    def reader(self, data_root: Path, tokenizer, progress: bool = True) -> FileReader:
+        return FileReader("dart", self.format, data_root, tuple(self.exclude_origins), tokenizer)
 
 
 def linearize_tripleset(tripleset: Sequence[Sequence[str]]) -> str:

@@ -12,12 +12,29 @@ from __future__ import annotations
 
 import csv
 import re
+from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 
+from dpmuon.data.dataset import DatasetSettings, FileReader
 from dpmuon.data.errors import DataError
 from dpmuon.data.records import Example
 from dpmuon.data.textio import open_text
+from dpmuon.settings import option, settings
+
+
+@settings("dataset")
+@dataclass(kw_only=True)
+class E2ESettings(DatasetSettings):
+    """E2E (data/layout.py: under <data root>/e2e/), with the recipe's δ."""
+
+    name: str = option("e2e", "the private set's name (run folders, the ledger, tables)")
+    format: str = option("prefix", "file format read: Prefix-Tuning text (prefix) or the original mr,ref CSV (csv)", choices=("prefix", "csv"))
+    delta: float = option(8.0e-6, "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1)
+
+    def reader(self, data_root: Path, tokenizer, progress: bool = True) -> FileReader:
+        return FileReader("e2e", self.format, data_root, (), tokenizer)
+
 
 CSV_COLUMNS = ("mr", "ref")
 

@@ -23,21 +23,25 @@ project's data, never in a home-directory cache, unless configured there.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Any
-
-import datasets
-from datasets.fingerprint import Hasher
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from dpmuon.data.dart import linearize_tripleset
-from dpmuon.data.encoding import EncodedExample, encode_for_training
+from dpmuon.data.dataset import DatasetSettings
 from dpmuon.data.errors import DataError
 from dpmuon.data.records import Example
+from dpmuon.settings import option, settings
+
+if TYPE_CHECKING:  # `datasets` and `transformers` load when data is read, not when the options are
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+    from dpmuon.data.encoding import EncodedExample
 from dpmuon.errors import one_line
 
 # Builders by file extension (before a `.gz`, which `datasets` decompresses itself).
@@ -47,6 +51,32 @@ SPLIT_NAMES = {"train": "train", "valid": "validation", "test": "test"}
 # Bands of the source hash that a split without a file takes from the train file, in units of `holdout_fraction`.
 HOLDOUT_BANDS = {"test": 0, "validation": 1}
 TEXT_COLUMN, TEXT_SEPARATOR = "text", "||"
+
+
+@dataclass(kw_only=True)
+class HFFiles:
+    train: str | None = option(None, "the training file (.json/.jsonl, .csv, .txt; relative to the working directory)")
+    validation: str | None = option(None, "the validation file (null: carved from train by source hash)")
+    test: str | None = option(None, "the test file (null: carved from train by source hash)")
+
+
+@settings("dataset")
+@dataclass(kw_only=True)
+class HFDataset(DatasetSettings):
+    """Your own files (or a hub dataset) through Hugging Face `datasets`; δ must be < 1/N of them."""
+
+    name: str = option("hf", "the private set's name (run folders, the ledger, tables)")
+    files: HFFiles = option(factory=HFFiles, help="a local file per split")
+    builder: str | None = option(None, "the datasets builder (null: from each file's extension)", choices=("json", "csv", "text"))
+    hub_id: str | None = option(None, "a Hugging Face hub dataset instead of files (downloads)")
+    hub_config: str | None = option(None, "the hub dataset's configuration name")
+    source_key: str = option("source", "the column holding the source (text, mapping or triples)")
+    target_key: str = option("target", "the column holding the reference (text or list of texts)")
+    holdout_fraction: float = option(0.1, "share of train sources hashed into each split given no file", gt=0, lt=0.5)
+    cache_dir: str | None = option(None, "where the tokenization cache goes (null: <data root>/hf_cache)")
+
+    def reader(self, data_root: Path, tokenizer, progress: bool = True) -> HFReader:
+        return HFReader(HFSettings.from_config(dataclasses.asdict(self), data_root), tokenizer, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -104,6 +134,8 @@ class HFReader:
     def __init__(self, settings: HFSettings, tokenizer: PreTrainedTokenizerBase, progress: bool = True):
         self.settings, self.tokenizer = settings, tokenizer
         if not progress:  # logging.progress=false: `datasets` draws its bars process-wide unless told
+            import datasets
+
             datasets.disable_progress_bars()
         self._rows: dict[str, list[Example]] = {}  # by split name of the file (or hub split) read
         self._encoded: dict[Example, EncodedExample] = {}
@@ -141,6 +173,8 @@ class HFReader:
 
     def _hub_splits(self) -> datasets.DatasetDict:
         if self._hub is None:
+            import datasets
+
             # Downloads on first use: behind config only, never in tests or defaults.
             self._hub = datasets.load_dataset(self.settings.hub_id, self.settings.hub_config, cache_dir=str(self.settings.cache_dir))
             if "train" not in self._hub:
@@ -153,6 +187,8 @@ class HFReader:
     def _read(self, name: str) -> list[Example]:
         """Every (source, reference) pair of one file or hub split, its token ids kept for `encode`."""
         if name not in self._rows:
+            from dpmuon.data.encoding import EncodedExample
+
             rows = self._tokenized(self._linearized(name), name).to_dict()
             examples = [Example(source, target) for source, target in zip(rows["source"], rows["target"], strict=True)]
             for example, input_ids, labels in zip(examples, rows["input_ids"], rows["labels"], strict=True):
@@ -181,6 +217,10 @@ class HFReader:
         # Our own fingerprint rather than one hashed from the map function: what decides the
         # token ids is the linearized rows (their fingerprint follows the file's content and the
         # column settings), the tokenizer, and the encoding code itself.
+        from datasets.fingerprint import Hasher
+
+        from dpmuon.data.encoding import encode_for_training
+
         fingerprint = Hasher.hash([pairs._fingerprint, Hasher.hash(self.tokenizer), Hasher.hash(encode_for_training)])
         return pairs.map(_encode_rows, batched=True, fn_kwargs={"tokenizer": self.tokenizer}, new_fingerprint=fingerprint, desc=f"tokenizing {name}")
 
@@ -192,6 +232,8 @@ class HFReader:
     def _load(self, name: str) -> datasets.Dataset:
         if self.settings.hub_id is not None:
             return self._hub_splits()[name]
+        import datasets
+
         path = self.settings.files[name]
         cache_dir = self.settings.cache_dir / f"{self._builder(name)}-{file_digest(path)}"
         try:
@@ -292,6 +334,8 @@ def _pairs_of_row(row: Sequence[Any], columns: Sequence[str]) -> list[tuple[str,
 
 def _encode_rows(batch: dict[str, list[str]], tokenizer: PreTrainedTokenizerBase) -> dict[str, list[list[int]]]:
     """Batched map: token ids and labels exactly as `encode_for_training` makes them (no length filter here)."""
+    from dpmuon.data.encoding import encode_for_training
+
     examples = [Example(source, target) for source, target in zip(batch["source"], batch["target"], strict=True)]
     encoded, _ = encode_for_training(examples, tokenizer, max_length=2**62)
     return {"input_ids": [e.input_ids for e in encoded], "labels": [e.labels for e in encoded]}

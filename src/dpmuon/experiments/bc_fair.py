@@ -17,9 +17,13 @@ The setting of the regime map (experiment=pretrained_tiny_e2e: the public tiny m
 4. horizon: the best DP-Muon and DP-MuonBC for HORIZON_EPOCHS epochs (σ recalibrated for ε = 8
    over that plan), seeds 0–2.
 
-Runs of one seed index share one secret mechanism seed (the same lots and noise for every
-optimizer: a paired comparison), drawn once from OS entropy and kept, mode 0600, in the working
-directory. Such runs are a measurement, not private releases of E2E: see bc_regime.py.
+Runs of one seed index share one mechanism seed (the same lots and noise for every optimizer: a
+paired comparison), drawn once from OS entropy. The study spans many working sessions, and a
+session keeps nothing but the repository, so the seeds are committed beside the runs
+(results/bc_regime/fair/mechanism_seeds.json): a pair begun in one session is completed in the
+next, and every run reproduces bit for bit. A run whose seed is published is a measurement of
+the optimizers, not a private release of E2E (its ε is the mechanism's calibration, not a
+guarantee about these files); see bc_regime.py.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ import sys
 from pathlib import Path
 
 from ..eval.runs import SUMMARY_FILE, read_summary
+from ..run_folder import WEIGHTS_FINGERPRINT
 from .bc_regime import MechanismSeeds, publish_public_model
 from .jobs import REPO, Job, run_jobs
 
 RATES = tuple(0.005 * 2 ** (k / 2) for k in range(5))  # 0.005 … 0.02: √2 apart around the committed 0.01
 SEEDS_TUNE = (0, 1)
 SEEDS = (0, 1, 2)
+SEEDS_FILE = "mechanism_seeds.json"  # published: see the module's docstring
 HORIZON_EPOCHS = 3  # ≈ 493 steps at lot 256 on E2E's 42,061 examples
 # name → the optimizer's overrides; the tuned contenders
 CONTENDERS = {
@@ -119,6 +125,23 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
     return out
 
 
+def check_public_model(results: Path) -> None:
+    """Refuse to add runs that start from another public model than the committed ones did (a
+    rebuild draws other lots, so it is another model), or whose seeds were not kept."""
+    from ..models import load_pretrained, weights_fingerprint
+
+    committed = (results / "public_pretraining" / WEIGHTS_FINGERPRINT).read_text().strip()
+    here = weights_fingerprint(load_pretrained(str(REPO / "models" / "public-for-e2e")))
+    if here != committed:
+        raise SystemExit(
+            f"models/public-for-e2e has fingerprint {here[:12]}…, the committed runs started from {committed[:12]}…: "
+            "restore that model, or move results/bc_regime/fair/ aside and start over"
+        )
+    runs = [p for p in results.glob("*/*") if (p / SUMMARY_FILE).exists()]
+    if runs and not (results / SEEDS_FILE).exists():
+        raise SystemExit(f"{len(runs)} committed runs but no {SEEDS_FILE}: their pairs cannot be completed; move them aside and start over")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("run", "list"))
@@ -134,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("models/public-for-e2e is missing: make models/public-for-e2e")
     os.environ.setdefault("WANDB_MODE", "disabled")
     publish_public_model(args.results / "public_pretraining")
-    seeds = MechanismSeeds(args.work / "mechanism_seeds.json")
+    check_public_model(args.results)
+    seeds = MechanismSeeds(args.results / SEEDS_FILE)
     while True:  # a stage's results unlock the next one's jobs
         todo = jobs(args.results, seeds)
         pending = [job for job in todo if not (args.results / job.stage / job.name / SUMMARY_FILE).exists()]

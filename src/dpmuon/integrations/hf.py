@@ -307,7 +307,7 @@ class DPTrainer(Trainer):
             hyper.update(self.optimizer_kwargs)
             try:
                 self.optimizer = build_optimizer(self.optimizer_name, self.model, self.private, **hyper)
-            except ValueError as err:
+            except (ValueError, TypeError) as err:  # an unknown or bad hyperparameter
                 raise UserError(f"DPTrainer: optimizer={self.optimizer_name!r}: {err}") from None
         return self.optimizer
 

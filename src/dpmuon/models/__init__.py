@@ -1,34 +1,35 @@
-"""Models: GPT-2- and Llama-family causal LMs, their LoRA adapters, and their per-example loss."""
+"""Models: GPT-2- and Llama-family causal LMs, their LoRA adapters, and their per-example loss.
 
-from .architectures import ARCHITECTURES, Shape
-from .build import (
-    build_model,
-    build_random_lm,
-    context_length,
-    lm_head_is_tied,
-    load_pretrained,
-    untie_lm_head,
-    weights_fingerprint,
-)
-from .lm import IGNORE_INDEX, hidden_matrices, per_example_lm_loss, position_ids_for
-from .lora import LoraOptions, add_lora, is_lora, save_adapter
+The names below load their module on first use (PEP 562): the configs read the models'
+options (models.settings) without loading torch or `transformers`.
+"""
 
-__all__ = [
-    "ARCHITECTURES",
-    "IGNORE_INDEX",
-    "LoraOptions",
-    "Shape",
-    "add_lora",
-    "build_model",
-    "context_length",
-    "build_random_lm",
-    "hidden_matrices",
-    "is_lora",
-    "lm_head_is_tied",
-    "load_pretrained",
-    "per_example_lm_loss",
-    "position_ids_for",
-    "save_adapter",
-    "untie_lm_head",
-    "weights_fingerprint",
-]
+from __future__ import annotations
+
+from ..lazy import lazy_exports
+
+# name → the submodule that defines it
+_EXPORTS = {
+    "ARCHITECTURES": "architectures",
+    "Shape": "architectures",
+    "build_model": "build",
+    "build_random_lm": "build",
+    "context_length": "build",
+    "lm_head_is_tied": "build",
+    "load_pretrained": "build",
+    "untie_lm_head": "build",
+    "weights_fingerprint": "build",
+    "IGNORE_INDEX": "lm",
+    "hidden_matrices": "lm",
+    "per_example_lm_loss": "lm",
+    "position_ids_for": "lm",
+    "LoraOptions": "lora",
+    "add_lora": "lora",
+    "is_lora": "lora",
+    "save_adapter": "lora",
+    "ModelSettings": "settings",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -14,10 +14,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .registry import OptimizerInputs, build_optimizer
+from .settings import AdamSettings, MuonBCSettings, MuonSettings, OptimizerInputs, SGDSettings
 
-# The optimizers by the names the driver's roster gives them (conf/optimizer/dp_*.yaml) → builder.
-NAMES = {"dp_sgd": "sgd", "dp_adam": "adam", "dp_muon": "muon", "dp_muonbc": "muonbc"}
+# The optimizers by the names the driver's roster gives them (conf/optimizer/dp_*.yaml).
+NAMES = {"dp_sgd": SGDSettings, "dp_adam": AdamSettings, "dp_muon": MuonSettings, "dp_muonbc": MuonBCSettings}
 
 
 class ReleasedParameters(Protocol):
@@ -45,10 +45,7 @@ def build(name: str, model: nn.Module, release: ReleasedParameters, generator: t
         raise ValueError(
             f"the model's trainable parameters are not those the release covers (first difference: {differ[0]}); freeze or unfreeze before make_private"
         )
-    kind = NAMES[name]
-    if kind in ("muon", "muonbc"):
-        hyper["adam"] = {"lr": hyper["lr"], **hyper.get("adam", {})}
     inputs = OptimizerInputs(
         params=trainable, hidden_matrices=dict(release.hidden_matrices), release_noise_std=dict(release.release_noise_std()), generator=generator
     )
-    return build_optimizer(kind, inputs, hyper)
+    return NAMES[name](**hyper).build(inputs)

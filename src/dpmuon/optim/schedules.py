@@ -18,7 +18,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-SCHEDULES = ("constant", "linear", "cosine")
+from .settings import SCHEDULES
 
 
 def lr_factor(t: int, schedule: str, total_steps: int, warmup_steps: int) -> float:

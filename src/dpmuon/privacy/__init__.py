@@ -8,7 +8,7 @@ per-example engines and the rest of the mechanism.
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
 # name → the submodule that defines it
 _EXPORTS = {
@@ -47,14 +47,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+from hydra.utils import instantiate
 
-from ..data import EncodedExample, EvalItem, Example, HFReader, HFSettings, default_data_root, encode_for_training, group_references, load_examples
+from ..data import EncodedExample, EvalItem, Example, default_data_root, group_references
 
 
 @dataclass
@@ -21,23 +23,14 @@ class RunData:
 
 
 def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None], progress: bool = True) -> RunData:
-    name, fmt, root = dataset["name"], dataset.get("format"), data.get("root")
-    exclude = tuple(dataset.get("exclude_origins") or ())
-
-    if name == "hf":  # your own data through `datasets`: its tokenization is cached (data/hf.py)
-        reader = HFReader(HFSettings.from_config(dataset, default_data_root() if root is None else root), tokenizer, progress=progress)
-        load, encode = reader.examples, reader.encode
-    else:
-
-        def load(split: str):
-            return load_examples(name, split, root, fmt, exclude_origins=exclude)
-
-        def encode(examples, max_length: int):
-            return encode_for_training(examples, tokenizer, max_length)
+    """`dataset` is the config section: its `_target_` class makes the reader."""
+    settings, root = instantiate(dataset, _convert_="all"), data.get("root")
+    reader = settings.reader(Path(default_data_root() if root is None else root), tokenizer, progress=progress)
+    name, load, encode = settings.name, reader.examples, reader.encode
 
     train_raw = _first(load("train"), data.get("max_train_examples"))
-    train, dropped = encode(train_raw, int(dataset["max_length"]))
-    log(f"{name} train: {len(train):,} examples ({dropped:,} dropped as longer than {dataset['max_length']} tokens)")
+    train, dropped = encode(train_raw, settings.max_length)
+    log(f"{name} train: {len(train):,} examples ({dropped:,} dropped as longer than {settings.max_length} tokens)")
 
     valid_raw = _first(load("valid"), data.get("max_valid_examples"))
     valid, dropped = encode(valid_raw, context_length)

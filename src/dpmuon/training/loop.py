@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -32,8 +33,6 @@ from ..eval.curves import write_curves
 from ..eval.metrics import SCORE_KEYS, score
 from ..eval.runs import Run, RunSummary, learning_rates
 from ..models import (
-    build_model,
-    context_length,
     hidden_matrices,
     is_lora,
     lm_head_is_tied,
@@ -199,8 +198,9 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     # Data first: input errors surface before any model is built or downloaded.
     with blamed_on("model.tokenizer", cfg.model.tokenizer):
         tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.get("bpe_merges"))
+    model_settings = instantiate(cfg.model, _convert_="all")  # its `_target_`: models.settings.ModelSettings
     with blamed_on("model.name_or_path", cfg.model.name_or_path):
-        max_length = context_length(cfg.model)
+        max_length = model_settings.context_length()
     try:
         data = prepare_data(cfg.dataset, cfg.data, tokenizer, max_length, log, progress=bool(cfg.logging.progress))
     except OSError as err:  # e.g. an unreadable file: name it, and the key that says where data comes from
@@ -211,7 +211,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     settings = privacy_settings(cfg)
     check_plan_inputs(settings, len(data.train))  # δ < 1/N and the other plan checks need only N: before the model
     with blamed_on("model.name_or_path", cfg.model.name_or_path):
-        model = build_model(cfg.model, tokenizer, seed=int(cfg.seed)).to(device)
+        model = model_settings.build(tokenizer, seed=int(cfg.seed)).to(device)
     initial_weights = weights_fingerprint(model)
     matrices = hidden_matrices(model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -219,9 +219,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     plan = mechanism.plan
     generators = {"probes": torch.Generator(device=device).manual_seed(int(cfg.seed) * 3 + 3)}
     optimizer = build_optimizer(
-        cfg.optimizer.kind,
-        OptimizerInputs(params=named, hidden_matrices=matrices, release_noise_std=mechanism.release_noise_std(), generator=generators["probes"]),
         OmegaConf.to_container(cfg.optimizer, resolve=True),
+        OptimizerInputs(params=named, hidden_matrices=matrices, release_noise_std=mechanism.release_noise_std(), generator=generators["probes"]),
     )
     with blamed_on("optimizer.warmup_steps", cfg.optimizer.warmup_steps):
         scheduler = build_scheduler(optimizer, cfg.optimizer.schedule, plan.steps, int(cfg.optimizer.warmup_steps))

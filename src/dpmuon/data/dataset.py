@@ -1,0 +1,61 @@
+"""What a dataset is to a run: its settings class (the `_target_` of conf/dataset/<name>.yaml,
+options declared once as fields) and the reader it makes.
+
+A new dataset is its reader module — a settings class derived from `DatasetSettings`, stored
+with `@settings("dataset")`, whose `reader()` returns something with `examples(split)` and
+`encode(examples, max_length)` — and one YAML that lists the class in its defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from dpmuon.data.records import Example
+from dpmuon.settings import Settings, option
+
+
+class Reader(Protocol):
+    """A dataset's splits as Examples, and their token ids."""
+
+    def examples(self, split: str) -> list[Example]:
+        """All examples of `split` (train / valid / test), one per reference, in file order."""
+
+    def encode(self, examples: Sequence[Example], max_length: int) -> tuple[list[Any], int]:
+        """(EncodedExamples of those no longer than `max_length` tokens, how many were dropped)."""
+
+
+@dataclass(kw_only=True)
+class DatasetSettings(Settings):
+    """What every dataset says; a subclass adds its own options and `reader`."""
+
+    name: str = option(help="the private set's name (run folders, the ledger, tables)")
+    max_length: int = option(100, "drop training sequences longer than this many tokens", ge=1)
+    delta: float = option(help="δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1)
+
+    def reader(self, data_root: Path, tokenizer, progress: bool = True) -> Reader:
+        raise NotImplementedError
+
+
+@dataclass
+class FileReader:
+    """A dataset of the standard layout under the data root (data/layout.py), read by
+    `load_examples` and encoded by `encode_for_training`."""
+
+    dataset: str
+    fmt: str
+    root: Path
+    exclude_origins: tuple[str, ...]
+    tokenizer: Any
+
+    def examples(self, split: str) -> list[Example]:
+        from dpmuon.data.loading import load_examples
+
+        return load_examples(self.dataset, split, self.root, self.fmt, exclude_origins=self.exclude_origins)
+
+    def encode(self, examples: Sequence[Example], max_length: int) -> tuple[list[Any], int]:
+        from dpmuon.data.encoding import encode_for_training
+
+        return encode_for_training(examples, self.tokenizer, max_length)

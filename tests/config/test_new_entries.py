@@ -1,0 +1,106 @@
+"""A new optimizer is its settings class and one YAML; a new dataset is its reader and one YAML.
+
+Both are added here as a user would, in a copy of conf/ in a temporary directory, without
+touching dpmuon: the classes live in this file, the YAMLs list them in their defaults. Each is
+composed, validated (its own options included) and trained at smoke size.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from dpmuon.config import compose_config, validate
+from dpmuon.config.schema import ConfigError
+from dpmuon.data import DatasetSettings, Example, encode_for_training
+from dpmuon.optim import OptimizerSettings
+from dpmuon.paths import CONFIG_DIR
+from dpmuon.settings import option, settings
+from dpmuon.training.loop import run
+
+
+@settings("optimizer")
+@dataclass(kw_only=True)
+class ScaledSGDSettings(OptimizerSettings):
+    """SGD whose step is `scale` times the learning rate: an option of its own."""
+
+    scale: float = option(1.0, "multiplies the learning rate", gt=0)
+
+    def build(self, inputs):
+        return torch.optim.SGD(list(inputs.params.values()), lr=self.lr * self.scale, weight_decay=self.weight_decay)
+
+
+@dataclass
+class CountingReader:
+    """Sources `n : k` with the reference `k`, for k in a range per split."""
+
+    tokenizer: object
+    sizes: dict
+
+    def examples(self, split: str) -> list[Example]:
+        return [Example(f"n : {k}", f"{k}") for k in range(self.sizes[split])]
+
+    def encode(self, examples, max_length: int):
+        return encode_for_training(examples, self.tokenizer, max_length)
+
+
+@settings("dataset")
+@dataclass(kw_only=True)
+class CountingSettings(DatasetSettings):
+    name: str = option("counting", "the private set's name")
+    train_size: int = option(400, "training examples", ge=1)
+    delta: float = option(1e-4, "δ; must be < 1/N", gt=0, lt=1)
+
+    def reader(self, data_root, tokenizer, progress=True):
+        return CountingReader(tokenizer, {"train": self.train_size, "valid": 8, "test": 4})
+
+
+SMOKE = (
+    "experiment=smoke", "logger=none", "logging.progress=false", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+    "privacy.expected_lot_size=8", "privacy.noise_multiplier=1.0", "trainer.steps=2", "trainer.eval_every=0",
+    "trainer.checkpoint_every=0", "eval.decoding=greedy", "eval.max_new_tokens=4",
+)  # fmt: skip
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    if not Path(os.environ.get("DPMUON_TOKENIZER") or "/nonexistent").is_dir():
+        pytest.skip("DPMUON_TOKENIZER not set to a local tokenizer directory")
+    conf = tmp_path / "conf"
+    shutil.copytree(CONFIG_DIR, conf)
+    (conf / "optimizer" / "dp_scaled_sgd.yaml").write_text(
+        "defaults:\n  - /settings/optimizer/ScaledSGDSettings@_here_\n  - _self_\nname: dp_scaled_sgd\nscale: 0.5\n"
+    )
+    (conf / "dataset" / "counting.yaml").write_text("defaults:\n  - /settings/dataset/CountingSettings@_here_\n  - _self_\ntrain_size: 300\n")
+    return str(conf)
+
+
+def test_a_new_optimizer_and_a_new_dataset_compose_validate_and_train(config_dir, tmp_path):
+    cfg = compose_config(*SMOKE, "optimizer=dp_scaled_sgd", "optimizer.lr=0.5", "dataset=counting", config_dir=config_dir)
+    assert OmegaConf.to_container(cfg.optimizer)["_target_"] == f"{__name__}.ScaledSGDSettings"
+    assert (cfg.optimizer.scale, cfg.optimizer.weight_decay, cfg.dataset.train_size, cfg.privacy.delta) == (0.5, 0.0, 300, 1e-4)
+    validate(cfg)
+    summary = run(cfg, tmp_path / "run")
+    assert (summary["optimizer"], summary["dataset"], summary["steps"]) == ("dp_scaled_sgd", "counting", 2)
+    assert summary["sample_rate"] == pytest.approx(8 / 300) and 0 < summary["epsilon"]
+    assert summary["learning_rates"] == {"lr": 0.5}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.scale=-1", r"^optimizer.scale=-1: must be > 0; valid: a number > 0$"),
+        ("dataset.train_size=many", r"^dataset.train_size=many: not an integer; valid: an integer >= 1$"),
+        ("optimizer.lr=null", r"^optimizer.lr=null: must be set; valid: a number > 0$"),  # the recipe has no rate for it
+    ],
+)
+def test_their_own_options_are_checked_in_one_line(config_dir, override, message):
+    cfg = compose_config(*SMOKE, "optimizer=dp_scaled_sgd", "optimizer.lr=0.5", "dataset=counting", override, config_dir=config_dir)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
