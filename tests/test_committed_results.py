@@ -25,6 +25,13 @@ def test_committed_tables_regenerate_exactly_from_committed_runs(dataset_dir: Pa
         assert (regenerated / name).read_text() == committed.read_text(), f"{committed} differs from a fresh make_tables.py run"
 
 
+def test_the_smollm2_lora_table_regenerates_exactly_from_its_runs(tmp_path: Path):
+    committed = RESULTS / "smollm2_lora"
+    assert tables_main([str(committed / "runs"), "--out", str(tmp_path)]) == 0
+    for name in TABLE_FILES:
+        assert (tmp_path / "e2e" / name).read_text() == (committed / "e2e" / name).read_text(), name
+
+
 BC_REGIME = RESULTS / "bc_regime"
 
 
