@@ -1,10 +1,10 @@
 """The configuration schema: one declaration per option (type, allowed values, help).
 
 The driver's own options are declared here, with their defaults in `conf/`. A config group whose
-section names a class in `_target_` (an optimizer, a dataset, a model) takes the rest from that class's
-fields (`dpmuon.settings.option`: type, default, checks, help), declared once beside the code
-that uses them (`dpmuon.settings`). This module says what each value may be. `validate` checks a composed config before anything is
-read or loaded, so a mistyped or out-of-range value ends in one line naming the key:
+section names a class in `_target_` (an optimizer, a dataset, a model) takes the rest from that
+class's fields (`dpmuon.settings.option`: type, default, checks, help), declared once beside the
+code that uses them. `validate` checks a composed config before anything is read or loaded, so
+a mistyped or out-of-range value ends in one line naming the key:
 
     error: privacy.clip_norm=-1: must be > 0; valid: a number > 0
 """
@@ -337,7 +337,8 @@ def options_for(cfg: DictConfig) -> dict[str, Option]:
 @functools.cache
 def repo_options() -> dict[str, Option]:
     """Every option of the repository's configs: the driver's, and those of every class a file of
-    conf/optimizer/, conf/dataset/ or conf/model/ names (the first declaration of a key wins)."""
+    conf/optimizer/, conf/dataset/ or conf/model/ names (the first declaration of a key wins, its
+    choices joined with those of the others: E2E's and DART's `format`)."""
     from .roster import group_yaml  # (the roster imports this module's package)
 
     options = {option.key: option for option in FIXED}
@@ -345,7 +346,9 @@ def repo_options() -> dict[str, Option]:
         for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
             target = group_yaml(group, path.stem).get("_target_")
             for option in declared_options(group, target_class(group, target)) if target else ():
-                options.setdefault(option.key, option)
+                first = options.setdefault(option.key, option)
+                if first.choices != option.choices:
+                    options[option.key] = dataclasses.replace(first, choices=first.choices + tuple(c for c in option.choices if c not in first.choices))
     return options
 
 

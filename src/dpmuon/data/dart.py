@@ -22,7 +22,7 @@ class DARTSettings(DatasetSettings):
     """DART (data/layout.py: under <data root>/dart/), with the recipe's δ."""
 
     name: str = option("dart", "the private set's name (run folders, the ledger, tables)")
-    format: str = option("json", "file format read", choices=("json",))
+    format: str = option("json", "file format read (E2E: prefix or csv; DART: json)", choices=("json",))
     max_length: int = option(120, "drop training sequences longer than this many tokens", ge=1)
     # e.g. [e2e] keeps DART disjoint from E2E; every split of the run is filtered the same way.
     exclude_origins: list = option(factory=list, help="drop examples of these annotation origins (DART's sources, e.g. [e2e])")

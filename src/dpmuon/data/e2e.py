@@ -26,10 +26,11 @@ from dpmuon.settings import option, settings
 @settings("dataset")
 @dataclass(kw_only=True)
 class E2ESettings(DatasetSettings):
-    """E2E (data/layout.py: under <data root>/e2e/), with the recipe's δ."""
+    """E2E (data/layout.py: under <data root>/e2e/), with the recipe's δ. Formats: `prefix`, the
+    Prefix-Tuning text files (prior DP work's), or `csv`, the original mr,ref release."""
 
     name: str = option("e2e", "the private set's name (run folders, the ledger, tables)")
-    format: str = option("prefix", "file format read: Prefix-Tuning text (prefix) or the original mr,ref CSV (csv)", choices=("prefix", "csv"))
+    format: str = option("prefix", "file format read (E2E: prefix or csv; DART: json)", choices=("prefix", "csv"))
     delta: float = option(8.0e-6, "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1)
 
     def reader(self, data_root: Path, tokenizer, progress: bool = True) -> FileReader:

@@ -26,7 +26,7 @@ class ModelSettings(Settings):
     name: str = option(help="model label in summaries and tables")
     name_or_path: str | None = option(None, "pretrained weights: hub id or local directory (null: random init)", kind="model_source")
     # The GPT-2 tokenizer ($DPMUON_TOKENIZER where set: a local copy); a hub model sets its own.
-    tokenizer: str = option("${oc.env:DPMUON_TOKENIZER,gpt2}", "tokenizer: hub id or local directory", kind="model_source")
+    tokenizer: str = option("${oc.env:DPMUON_TOKENIZER,gpt2}", "tokenizer: hub id or local directory (default: $DPMUON_TOKENIZER, else gpt2)", kind="model_source")
     # The first K merges of GPT-2's BPE (vocabulary 256 + K + eos): lossless, chosen without
     # looking at any data, and a much smaller embedding/softmax for CPU work.
     bpe_merges: int | None = option(None, "keep the first K merges of GPT-2's BPE (null: all)", ge=1)
