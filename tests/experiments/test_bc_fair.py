@@ -56,3 +56,25 @@ def test_report_pairs_by_seed_with_a_t_interval(tmp_path):
     assert mean_ci(paired(runs, "dp_muonbc_matched", "dp_muon")) == "-0.1200 (n = 1)"
     assert mean_ci([]) == "not run yet"
     assert "not run yet" in comparisons_markdown(tmp_path)  # the variants and the horizon
+
+
+def test_the_runner_restores_the_kept_public_model_and_refuses_another(tmp_path, monkeypatch):
+    """A new working session has no models/: the runner restores the public model kept beside the
+    runs, and refuses one whose weights differ from those the committed runs started from."""
+    from conftest import tiny_gpt2
+
+    from dpmuon.experiments import bc_fair
+    from dpmuon.models import weights_fingerprint
+    from dpmuon.run_folder import WEIGHTS_FINGERPRINT
+
+    results, restored = tmp_path / "fair", tmp_path / "models" / "public-for-e2e"
+    model = tiny_gpt2()
+    model.save_pretrained(results / "public_pretraining" / "model")
+    (results / "public_pretraining" / WEIGHTS_FINGERPRINT).write_text(weights_fingerprint(model) + "\n")
+    monkeypatch.setattr(bc_fair, "PUBLIC_MODEL", restored)
+    bc_fair.public_model(results)
+    assert (restored / "config.json").exists()
+
+    tiny_gpt2(seed=1).save_pretrained(restored)  # a rebuild: other weights
+    with pytest.raises(SystemExit, match="models/public-for-e2e has fingerprint"):
+        bc_fair.public_model(results)

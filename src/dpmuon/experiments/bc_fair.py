@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -43,6 +44,7 @@ from .jobs import REPO, Job, run_jobs
 RATES = tuple(0.005 * 2 ** (k / 2) for k in range(5))  # 0.005 … 0.02: √2 apart around the committed 0.01
 SEEDS_TUNE = (0, 1)
 SEEDS = (0, 1, 2)
+PUBLIC_MODEL = REPO / "models" / "public-for-e2e"
 SEEDS_FILE = "mechanism_seeds.json"  # published: see the module's docstring
 HORIZON_EPOCHS = 3  # ≈ 493 steps at lot 256 on E2E's 42,061 examples
 # name → the optimizer's overrides; the tuned contenders
@@ -125,13 +127,28 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
     return out
 
 
+def public_model(results: Path) -> None:
+    """The public model every run starts from, kept beside the runs: a rebuild can be another
+    model (later code changes its weights), and a working session keeps nothing but the
+    repository. The first runner publishes models/public-for-e2e there; later ones restore it."""
+    kept = results / "public_pretraining" / "model"
+    if not PUBLIC_MODEL.exists() and kept.exists():
+        shutil.copytree(kept, PUBLIC_MODEL)
+    if not PUBLIC_MODEL.exists():
+        raise SystemExit("models/public-for-e2e is missing: make models/public-for-e2e")
+    publish_public_model(results / "public_pretraining")
+    if not kept.exists():
+        shutil.copytree(PUBLIC_MODEL, kept)
+    check_public_model(results)
+
+
 def check_public_model(results: Path) -> None:
-    """Refuse to add runs that start from another public model than the committed ones did (a
-    rebuild draws other lots, so it is another model), or whose seeds were not kept."""
+    """Refuse to add runs that start from another public model than the committed ones did, or
+    whose seeds were not kept."""
     from ..models import load_pretrained, weights_fingerprint
 
     committed = (results / "public_pretraining" / WEIGHTS_FINGERPRINT).read_text().strip()
-    here = weights_fingerprint(load_pretrained(str(REPO / "models" / "public-for-e2e")))
+    here = weights_fingerprint(load_pretrained(str(PUBLIC_MODEL)))
     if here != committed:
         raise SystemExit(
             f"models/public-for-e2e has fingerprint {here[:12]}…, the committed runs started from {committed[:12]}…: "
@@ -153,11 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         for job in jobs(args.results, lambda seed: None):
             print(job.stage, job.name, " ".join(job.overrides))
         return 0
-    if not (REPO / "models" / "public-for-e2e").exists():
-        raise SystemExit("models/public-for-e2e is missing: make models/public-for-e2e")
     os.environ.setdefault("WANDB_MODE", "disabled")
-    publish_public_model(args.results / "public_pretraining")
-    check_public_model(args.results)
+    public_model(args.results)
     seeds = MechanismSeeds(args.results / SEEDS_FILE)
     while True:  # a stage's results unlock the next one's jobs
         todo = jobs(args.results, seeds)
