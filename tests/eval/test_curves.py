@@ -1,11 +1,12 @@
 """Training curves built from synthetic run directories: mean and min–max bands, reproducible
 PNGs, empty panels, the optimizers' colors and markers, the target ε, captions that match the
-number of seeds, and diverged runs."""
+number of seeds, diverged runs, and the gap panel that shows how far apart the DP methods are."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers_runs import PNG_SIGNATURE, training_rows, write_run
 from matplotlib.axes import Axes
@@ -13,7 +14,8 @@ from matplotlib.figure import Figure
 
 from dpmuon.eval import curves
 from dpmuon.eval.cli import curves_main
-from dpmuon.eval.curves import NOT_LOGGED, PANELS, aggregate_curves, draw_panel, optimizer_color
+from dpmuon.eval.curves import NOT_LOGGED, PANELS, CurveBand, aggregate_curves, draw_panel, gaps_to_best_private, optimizer_color
+from dpmuon.eval.grouping import group_runs
 from dpmuon.eval.runs import find_runs
 
 
@@ -68,7 +70,8 @@ def test_paper_optimizers_have_fixed_distinct_colors():
 def test_the_epsilon_panel_marks_the_target_and_every_optimizer_stays_visible(runs_root: Path):
     e2e_runs = [run for run in find_runs([runs_root]) if run.dataset == "e2e"]
     axes: Axes = Figure().subplots()
-    draw_panel(axes, PANELS[2], aggregate_curves(e2e_runs, "epsilon"))
+    (epsilon,) = [panel for panel in PANELS if panel.key == "epsilon"]
+    draw_panel(axes, epsilon, aggregate_curves(e2e_runs, "epsilon"))
     target = [line for line in axes.get_lines() if line.get_label() == "target ε"]
     assert len(target) == 1 and list(target[0].get_ydata()) == [8.0, 8.0]
     curves = [line for line in axes.get_lines() if line.get_label() != "target ε"]
@@ -97,3 +100,32 @@ def test_captions_match_the_number_of_seeds_and_a_diverged_run_says_so(tmp_path:
     axes: Axes = Figure().subplots()
     draw_panel(axes, PANELS[0], [], any_diverged=True)
     assert [text.get_text() for text in axes.texts] == [curves.DIVERGED]
+
+
+GAP = next(panel for panel in PANELS if panel.gap)
+
+
+def test_the_gap_panel_subtracts_the_best_dp_mean_at_each_step_and_leaves_out_non_private_runs(runs_root: Path):
+    e2e_runs = [run for run in find_runs([runs_root]) if run.dataset == "e2e"]
+    gaps = {group.label: band for group, band in gaps_to_best_private(aggregate_curves(e2e_runs, "val_nll"))}
+    assert list(gaps) == ["dp_adam", "dp_muonbc"]  # adam (non-private, lower) is no reference
+    # means: dp_adam 2.08, 2.07; dp_muonbc 2.08, 1.97 at steps 20, 30
+    assert gaps["dp_adam"].mean.tolist() == pytest.approx([0.0, 0.1])
+    assert gaps["dp_muonbc"].mean.tolist() == pytest.approx([0.0, 0.0])
+    assert gaps["dp_adam"].high.tolist() == pytest.approx([0.1, 0.2])  # the seed band moves with the mean
+    one_dp = [run for run in e2e_runs if run.optimizer != "dp_adam"]
+    assert gaps_to_best_private(aggregate_curves(one_dp, "val_nll")) == []
+    axes: Axes = Figure().subplots()
+    draw_panel(axes, GAP, [])
+    assert [text.get_text() for text in axes.texts] == [curves.NO_GAP]
+
+
+def test_the_gap_axis_shows_late_differences_of_hundredths_not_the_early_descent(runs_root: Path):
+    steps = np.arange(10, 110, 10)
+    early_then_close = np.array([1.2, 0.6, 0.3, 0.1, 0.05, 0.03, 0.03, 0.02, 0.02, 0.02])
+    bands = [CurveBand(steps, values, values, values, np.ones(10)) for values in (np.zeros(10), early_then_close)]
+    groups = [group for group in group_runs(find_runs([runs_root])) if group.key.private][:2]
+    axes: Axes = Figure().subplots()
+    draw_panel(axes, GAP, list(zip(groups, bands)))
+    low, high = axes.get_ylim()
+    assert low < 0.0 < 0.03 < high < 0.05  # the 0.02-0.03 gaps fill the axis; step 10's 1.2 runs off the top

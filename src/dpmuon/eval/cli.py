@@ -39,7 +39,7 @@ def curves_main(argv: Sequence[str] | None = None) -> int:
     return _main(
         argv,
         prog="make_curves.py",
-        description="Plot validation NLL, train loss and ε spent against step from every run's "
+        description="Plot validation NLL (also each DP method's above the best DP method's), train loss and ε spent against step from every run's "
         "metrics.jsonl into <out>/<dataset>/curves.png (plus one PNG per panel): mean over seeds "
         "with a min–max band, one line per (optimizer, model, target ε).",
         write=write_curves,

@@ -1,7 +1,11 @@
-"""Training curves per dataset: validation NLL, train loss and ε spent against step.
+"""Training curves per dataset: validation NLL, train loss and ε spent against step, and each
+DP method's validation NLL above the best DP method's (the gap panel).
 
 One line per run group (see grouping.py): the mean over the group's seeds, with a band from
-the minimum to the maximum over seeds where a group has more than one. Each optimizer has its
+the minimum to the maximum over seeds where a group has more than one. The DP optimizers differ
+by 0.01–0.15 in validation NLL, which an axis spanning the whole descent (and the non-private
+reference) cannot show: the gap panel subtracts, at each step, the lowest DP mean and fits its
+axis to the second half of training. Each optimizer has its
 color and marker (DP methods share one ε curve, which would otherwise hide three of them), the
 ε panel marks the target ε, and a run whose values went non-finite is labelled diverged. Figures are built on matplotlib's Agg canvas directly,
 without pyplot, so no global backend state is touched.
@@ -38,6 +42,7 @@ MARKED_POINTS = 8
 BAND_NOTE = "line: mean over seeds; band: min–max over seeds"
 ONE_RUN_NOTE = "one run per line"
 NOT_LOGGED = "not logged"
+NO_GAP = "fewer than two DP methods"
 DIVERGED = "diverged"
 # Matplotlib otherwise stamps its version into the PNG; leaving it out keeps files reproducible.
 _PNG_METADATA = {"Software": None}
@@ -48,10 +53,12 @@ class Panel:
     key: str  # metrics.jsonl key
     title: str
     file_name: str
+    gap: bool = False  # DP groups only, minus the lowest DP mean at each step
 
 
 PANELS = (
     Panel("val_nll", "validation NLL", "val_nll.png"),
+    Panel("val_nll", "validation NLL above the best DP method's", "val_nll_gap.png", gap=True),
     Panel("train_loss", "train loss", "train_loss.png"),
     Panel("epsilon", "ε spent", "epsilon.png"),
 )
@@ -94,6 +101,24 @@ def aggregate_curves(runs: Sequence[Run], key: str, diagnostics: bool = True) ->
     return curves
 
 
+def gaps_to_best_private(curves: list[tuple[RunGroup, CurveBand]]) -> list[tuple[RunGroup, CurveBand]]:
+    """The DP groups' curves minus, at each step all of them logged, the lowest DP mean there
+    (bands: each group's seed minimum and maximum minus that same mean). Fewer than two DP groups
+    have no gap to show."""
+    private = [(group, band) for group, band in curves if group.key.private]
+    if len(private) < 2:
+        return []
+    steps = np.array(sorted(set.intersection(*(set(band.steps.tolist()) for _, band in private))))
+    if not len(steps):
+        return []
+    picked = [np.searchsorted(band.steps, steps) for _, band in private]
+    best = np.min([band.mean[at] for (_, band), at in zip(private, picked)], axis=0)
+    return [
+        (group, CurveBand(steps, band.mean[at] - best, band.low[at] - best, band.high[at] - best, band.n_runs[at]))
+        for (group, band), at in zip(private, picked)
+    ]
+
+
 def optimizer_color(optimizer: str) -> str:
     if optimizer in OPTIMIZER_COLORS:
         return OPTIMIZER_COLORS[optimizer]
@@ -111,20 +136,21 @@ def write_curves(runs: Sequence[Run], out_dir: Path, diagnostics: bool = True) -
     for dataset, dataset_runs in runs_by_dataset(runs).items():
         folder = Path(out_dir) / dataset
         folder.mkdir(parents=True, exist_ok=True)
-        curves = {panel.key: aggregate_curves(dataset_runs, panel.key, diagnostics) for panel in PANELS}
+        curves = {panel: aggregate_curves(dataset_runs, panel.key, diagnostics) for panel in PANELS}
+        curves.update({panel: gaps_to_best_private(curves[panel]) for panel in PANELS if panel.gap})
         several = any(len(group.runs) > 1 for panel in curves.values() for group, _ in panel)
         note = BAND_NOTE if several else ONE_RUN_NOTE
         any_diverged = any(map(diverged, dataset_runs))
 
         combined = new_figure(width=5.2 * len(PANELS))
         for axes, panel in zip(combined.subplots(1, len(PANELS)), PANELS):
-            draw_panel(axes, panel, curves[panel.key], any_diverged)
+            draw_panel(axes, panel, curves[panel], any_diverged)
         combined.suptitle(f"{dataset} ({note})")
         written.append(save_figure(combined, folder / "curves.png"))
 
         for panel in PANELS:
             single = new_figure(width=6.0)
-            draw_panel(single.subplots(), panel, curves[panel.key], any_diverged)
+            draw_panel(single.subplots(), panel, curves[panel], any_diverged)
             single.suptitle(f"{dataset} ({note})", fontsize="medium")
             written.append(save_figure(single, folder / panel.file_name))
     return written
@@ -141,7 +167,7 @@ def diverged(run: Run) -> bool:
 def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]], any_diverged: bool = False) -> None:
     axes.set_title(panel.title)
     if not curves:  # (a diverged run logs its non-finite values as null: nothing to draw)
-        axes.text(0.5, 0.5, DIVERGED if any_diverged else NOT_LOGGED, ha="center", va="center", transform=axes.transAxes, color="gray")
+        axes.text(0.5, 0.5, DIVERGED if any_diverged else NO_GAP if panel.gap else NOT_LOGGED, ha="center", va="center", transform=axes.transAxes, color="gray")
         axes.set_xticks([])
         axes.set_yticks([])
         return
@@ -159,6 +185,8 @@ def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]
         )  # fmt: skip
         if len(group.runs) > 1:
             axes.fill_between(band.steps, band.low, band.high, color=color, alpha=0.2, linewidth=0)
+    if panel.gap:
+        fit_to_second_half(axes, [band for _, band in curves])
     if panel.key == "epsilon":
         targets = sorted({group.key.target_epsilon for group, _ in curves if group.key.target_epsilon is not None})
         for i, target in enumerate(targets):
@@ -167,6 +195,16 @@ def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]
     axes.set_xlabel("step")
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
+
+
+def fit_to_second_half(axes: Axes, bands: list[CurveBand]) -> None:
+    """Limit the y axis to the means over the second half of the steps (early steps, where the
+    methods differ by whole nats, run off the top) and mark zero, the best DP method."""
+    late = np.concatenate([band.mean[band.steps >= band.steps[len(band.steps) // 2]] for band in bands])
+    low, high = min(0.0, float(late.min())), float(late.max())
+    pad = 0.1 * max(high - low, 0.01)
+    axes.set_ylim(low - pad, high + pad)
+    axes.axhline(0.0, color="black", linewidth=0.8)
 
 
 def new_figure(width: float) -> Figure:
