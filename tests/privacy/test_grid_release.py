@@ -15,7 +15,7 @@ from conftest import VOCAB, tiny_gpt2, token_batch
 
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, build_partition
-from dpmuon.privacy.accountant import ReleaseSlack, calibrate_noise_multiplier, epsilon_after
+from dpmuon.privacy.accountant import BAD_EVENT_SHARES, ReleaseSlack, calibrate_noise_multiplier, epsilon_after
 from dpmuon.privacy.grid import ETA, GRID_NOISE_STD, grid_step, release_on_grid, release_slack
 
 SIGMA, LOT = 1.0, 8
@@ -123,3 +123,18 @@ def test_bad_events_beyond_the_delta_share_give_no_finite_epsilon():
     assert epsilon_after(1.0, 0.02, 100, 1e-5, "prv", ReleaseSlack(bad_event=1e-6)) == math.inf
     # At ε = 1000 the (1 + e^ε) factor must not overflow: it is handled in log space.
     assert epsilon_after(0.05, 0.5, 10, 1e-5, "rdp", ReleaseSlack(bad_event=1e-30)) == math.inf
+
+
+def test_runs_composed_past_the_planned_bad_event_share_take_a_larger_share_not_infinity():
+    # Two constant-time runs of 24 releases planned for ε = 8 each (results/smollm2_lora): together
+    # their truncation charge (1 + e^ε)·48·p outgrows the 1e-3·δ a run is planned in.
+    sigma, q, delta, slack = 0.3337097, 0.0015236644, 8e-6, ReleaseSlack(epsilon=9.1e-7, bad_event=3.23e-14)
+    assert epsilon_after(sigma, q, 24, delta, "prv", slack) <= 8.0
+    ideal_planned = epsilon_after(sigma, q, 48, (1 - BAD_EVENT_SHARES[0]) * delta)
+    assert (1 + math.exp(ideal_planned)) * 48 * slack.bad_event > BAD_EVENT_SHARES[0] * delta  # the first share does not fit
+    composed = epsilon_after(sigma, q, 48, delta, "prv", slack)
+    share = BAD_EVENT_SHARES[1]
+    ideal = epsilon_after(sigma, q, 48, (1 - share) * delta * math.exp(-48 * slack.epsilon / 2))
+    assert composed == pytest.approx(ideal + 48 * slack.epsilon)
+    assert (1 + math.exp(composed)) * 48 * slack.bad_event <= share * delta  # the δ split it reports holds
+    assert ideal_planned < composed < 9.0

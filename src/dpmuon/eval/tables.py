@@ -320,7 +320,7 @@ def _study_group_note(group: study.StudyGroup, tuning: set[study.RunRecord]) -> 
     lines = [f"- Study-level privacy on {group.label()}{at_delta}: {costs or 'no DP runs'}. PRV composition of "
              f"every charged release (`python -m dpmuon.eval.study`){alone}."]  # fmt: skip
     if any(run.source == study.RECONSTRUCTED for run in group.private_runs):  # a non-private run has no releases
-        lines.append("  Releases are reconstructed from each run's summary.json (runs from before privacy ledgers).")
+        lines.append("  Releases are reconstructed from each run's summary.json (no privacy_ledger.jsonl beside it).")
     if group.non_private_runs:
         optimizers = ", ".join(sorted({run.optimizer or "unknown" for run in group.non_private_runs}))
         lines.append(f"  **{_runs(len(group.non_private_runs))} ({optimizers}) trained on these examples without noise: "

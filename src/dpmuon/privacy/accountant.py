@@ -21,8 +21,13 @@ CALIBRATION_TOLERANCE = 0.01
 RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 256)))
 
 
-# Share of δ set aside for the releases' bad events (ReleaseSlack.bad_event).
-BAD_EVENT_SHARE = 1e-3
+# Shares of δ the releases' bad events (ReleaseSlack.bad_event) may take, smallest first. A run is
+# planned (σ calibrated, constant-time lots bounded: lot_bound.py) to fit the first; runs composed
+# in a study multiply the charge (more releases at a larger ε), and rather than report ε = inf
+# the accountant takes the next share they fit in. Each share is a valid split of δ for the same
+# mechanism, so the smallest ε among them is a guarantee.
+BAD_EVENT_SHARES = (1e-3, 1e-2, 1e-1)
+BAD_EVENT_SHARE = BAD_EVENT_SHARES[0]
 
 
 @dataclass(frozen=True)
@@ -36,8 +41,8 @@ class ReleaseSlack:
 
     T such releases are within e^{±a}, a = T·epsilon/2, of the ideal on the good events, so with
     the ideal (ε_I, δ_I) they are (ε_I + 2a, e^a·δ_I + (1 + e^{ε_I + a})·T·bad_event)-DP. The
-    accountant spends δ_I = (1 − BAD_EVENT_SHARE)·δ·e^{−a} on the ideal mechanism and reports an
-    infinite ε if the bad events need more than the share left.
+    accountant spends δ_I = (1 − s)·δ·e^{−a} on the ideal mechanism, with s the smallest of
+    BAD_EVENT_SHARES whose s·δ the bad events fit in, and reports an infinite ε if none fits.
     """
 
     epsilon: float = 0.0
@@ -49,24 +54,28 @@ class ReleaseSlack:
     def __bool__(self) -> bool:
         return bool(self.epsilon or self.bad_event)
 
-    def ideal_delta(self, steps: int, delta: float) -> float:
-        """δ_I: what the ideal mechanism may spend of δ after `steps` releases."""
+    def ideal_delta(self, steps: int, delta: float, share: float = BAD_EVENT_SHARE) -> float:
+        """δ_I: what the ideal mechanism may spend of δ after `steps` releases, when the bad
+        events take `share` of it."""
         if not self:
             return delta
-        return (1 - BAD_EVENT_SHARE) * delta * math.exp(-steps * self.epsilon / 2)
+        return (1 - share) * delta * math.exp(-steps * self.epsilon / 2)
 
     def epsilon_of(self, steps: int, delta: float, ideal_epsilon: Callable[[float], float]) -> float:
         """ε after `steps` releases, given the ideal mechanism's ε as a function of its δ."""
-        eps = ideal_epsilon(self.ideal_delta(steps, delta))
         if not self:
-            return eps
+            return ideal_epsilon(delta)
         a = steps * self.epsilon / 2
-        if self.bad_event and math.isfinite(eps):
+        for share in BAD_EVENT_SHARES if self.bad_event else BAD_EVENT_SHARES[:1]:
+            # A larger share leaves the ideal mechanism less δ, so a larger ε: the first that fits is the least.
+            eps = ideal_epsilon(self.ideal_delta(steps, delta, share))
+            if not (self.bad_event and math.isfinite(eps)):
+                return eps + 2 * a
             x = eps + a  # log(1 + e^x), without overflow at large ε
             log_charge = max(x, 0.0) + math.log1p(math.exp(-abs(x))) + math.log(steps * self.bad_event)
-            if log_charge > math.log(BAD_EVENT_SHARE * delta):
-                return math.inf
-        return eps + 2 * a
+            if log_charge <= math.log(share * delta):
+                return eps + 2 * a
+        return math.inf
 
 
 def _epsilon_kwargs(accountant: str) -> dict:
