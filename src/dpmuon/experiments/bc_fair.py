@@ -5,7 +5,8 @@ horizon long enough for late gains (results/bc_regime/fair/, issue 25).
     python -m dpmuon.experiments.bc_fair list             # the runs the next `run` would do
 
 The setting of the regime map (experiment=pretrained_tiny_e2e: the public tiny model, lot 256,
-ε = 8, 100 steps), in stages that each need the previous one's published results:
+ε = 8, 100 steps; lots as drawn, not padded to constant time), in stages that each need the
+previous one's published results:
 
 1. tune: DP-Muon, DP-MuonBC, and DP-MuonBC with `match_norm` (its steps as long as DP-Muon's)
    on a √2-spaced grid of RATES at the final horizon, SEEDS_TUNE seeds per point; a best rate on
@@ -69,6 +70,11 @@ def overrides(contender: str, lr: float, seed: int, *extra: str) -> tuple[str, .
         f"optimizer.lr={lr:.6g}",
         f"optimizer.adam.lr={lr:.6g}",
         "privacy.target_epsilon=8",
+        # Constant-time lots hide the lot sizes from step times; these runs publish their
+        # mechanism seeds (the lots themselves), so there is nothing left to hide, and padding
+        # costs ~5× here (386-row lots of full-width rows, every position computed: 26 s a step
+        # on one thread against ~5 s). The regime map ran without them too (before they existed).
+        "privacy.constant_time=false",
         f"seed={seed}",
         *extra,
     )
