@@ -1,5 +1,6 @@
 """The fair comparison's stages: tuning extends a grid whose edge wins, and finals, variants and
-the horizon start only from the best rates of a complete tuning stage."""
+the horizon start only from the best rates of a complete tuning stage, publishing their
+diagnostics; the report pairs by seed and reads the finals' oracle."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers_runs import write_run
 
-from dpmuon.experiments.bc_fair import CONTENDERS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
-from dpmuon.experiments.bc_fair_report import comparisons_markdown, load, mean_ci, paired
+from dpmuon.experiments.bc_fair import CONTENDERS, PUBLISH_DIAGNOSTICS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
+from dpmuon.experiments.bc_fair_report import comparisons_markdown, load, mean_ci, oracle_markdown, paired, write_report
 
 
 def publish(results: Path, contender: str, lr: float, nll: float) -> None:
@@ -41,6 +42,10 @@ def test_later_stages_start_from_the_best_rates_paired_by_seed(tmp_path):
     assert all(f"optimizer.lr={RATES[2]:.6g}" in job.overrides for job in finals)
     assert all(job.mechanism_seed == 100 + int(job.name[-1]) for job in todo if job.stage != "tune")
     assert {job.stage for job in todo} == {"tune", "finals", "variants", "horizon"}
+    # Only what comes after tuning publishes its diagnostics (the finals' oracle among them).
+    assert all((PUBLISH_DIAGNOSTICS in job.overrides) == (job.stage != "tune") for job in todo)
+    assert all(("logging.oracle_alignment=true" in job.overrides) == (job.stage == "finals") for job in todo)
+    assert all("privacy.constant_time=false" in job.overrides for job in todo)
 
 
 def test_report_pairs_by_seed_with_a_t_interval(tmp_path):
@@ -78,3 +83,34 @@ def test_the_runner_restores_the_kept_public_model_and_refuses_another(tmp_path,
     tiny_gpt2(seed=1).save_pretrained(restored)  # a rebuild: other weights
     with pytest.raises(SystemExit, match="models/public-for-e2e has fingerprint"):
         bc_fair.public_model(results)
+
+
+def oracle_row(step: int, snr: float, single: float, averaged: float, ratio: float) -> dict:
+    matrices = ("a", "b")
+    return {
+        "step": step,
+        "oracle_snr": dict.fromkeys(matrices, snr),
+        "oracle_cos_plain": dict.fromkeys(matrices, 0.05),
+        "oracle_cos_bc": dict.fromkeys(matrices, 0.05 + single),
+        "oracle_cos_bc_mean": dict.fromkeys(matrices, 0.05 + averaged),
+        "oracle_signal_plain": dict.fromkeys(matrices, 0.02),
+        "oracle_signal_bc": dict.fromkeys(matrices, 0.02 * ratio),
+    }
+
+
+def test_the_oracle_table_and_figure_come_from_the_finals_published_rows(tmp_path):
+    for seed, averaged in enumerate([0.010, 0.012, 0.014]):  # seed s: probe-averaged gain 0.010 + 0.002 s at every step
+        rows = [oracle_row(step, 0.02, single=-0.004, averaged=averaged, ratio=1.25) for step in (1, 2, 3)]
+        write_run(tmp_path / "finals", f"dp_muon_seed{seed}", rows + [{"step": 3, "val_nll": 2.0}])
+    table = oracle_markdown(load(tmp_path, "finals"))
+    half = 4.302653 * 0.002 / math.sqrt(3)
+    (muon,) = [line for line in table.splitlines() if line.startswith("| dp_muon |")]
+    cells = [cell.strip() for cell in muon.strip("|").split("|")]
+    assert cells[1] == "0.0200 [0.0200, 0.0200] (n = 3)"  # true SNR
+    assert cells[2] == "-0.0040 [-0.0040, -0.0040] (n = 3)"  # one draw: negative
+    assert cells[3] == f"0.0120 [{0.012 - half:.4f}, {0.012 + half:.4f}] (n = 3)"  # the average: positive
+    assert cells[4] == "1.2500 [1.2500, 1.2500] (n = 3)"
+    assert "| dp_muonbc | not run yet |" in table
+    written = write_report(tmp_path)
+    assert [path.name for path in written] == ["fair.md", "paired_delta.png", "alignment_vs_snr.png"]
+    assert all(path.stat().st_size > 0 for path in written)

@@ -11,7 +11,8 @@ previous one's published results:
 1. tune: DP-Muon, DP-MuonBC, and DP-MuonBC with `match_norm` (its steps as long as DP-Muon's)
    on a √2-spaced grid of RATES at the final horizon, SEEDS_TUNE seeds per point; a best rate on
    the grid's edge extends the grid by one rate past it.
-2. finals: each at its best rate (lowest mean validation NLL), seeds 0–2, oracle diagnostics on.
+2. finals: each at its best rate (lowest mean validation NLL), seeds 0–2, oracle diagnostics on
+   (published in metrics.jsonl, as every later stage's diagnostics are).
 3. variants: at the best rates, DP-MuonBC against DP-Muon under the same variant
    (classical Newton–Schulz with Frobenius and max(1, ‖M‖_F) scaling, Nesterov), and
    DP-MuonBC with s = one step's noise std, seeds 0–2.
@@ -61,6 +62,10 @@ VARIANTS = {
     "nesterov": ("optimizer.nesterov=true",),
 }
 STEP_STD = ("optimizer.bias_correction.noise_std=step",)  # DP-MuonBC only: against plain DP-Muon
+# After tuning, runs publish their non-private diagnostics in metrics.jsonl (train loss, the
+# finals' oracle alignment): they are a measurement with published seeds, and a published run
+# keeps only metrics.jsonl, not the owner-only diagnostics.jsonl.
+PUBLISH_DIAGNOSTICS = "logging.nonprivate_diagnostics=publish"
 
 
 def overrides(contender: str, lr: float, seed: int, *extra: str) -> tuple[str, ...]:
@@ -117,19 +122,22 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
         out += [Job(tune_name(contender, lr, s), "tune", overrides(contender, lr, s), mechanism_seed(s)) for s in SEEDS_TUNE for lr in rates]
     if None in best.values():
         return out
-    oracle = ("logging.oracle_alignment=true",)
+
+    def after_tuning(contender: str, seed: int, *extra: str) -> tuple[str, ...]:
+        return overrides(contender, best[contender], seed, *extra, PUBLISH_DIAGNOSTICS)
+
     for seed in SEEDS:
         secret = mechanism_seed(seed)
-        for contender, lr in best.items():
-            out.append(Job(f"{contender}_seed{seed}", "finals", overrides(contender, lr, seed, *oracle), secret))
+        for contender in CONTENDERS:
+            out.append(Job(f"{contender}_seed{seed}", "finals", after_tuning(contender, seed, "logging.oracle_alignment=true"), secret))
         for variant, extra in VARIANTS.items():
             for contender in ("dp_muon", "dp_muonbc"):
-                out.append(Job(f"{contender}_{variant}_seed{seed}", "variants", overrides(contender, best[contender], seed, *extra), secret))
-        out.append(Job(f"dp_muonbc_stepstd_seed{seed}", "variants", overrides("dp_muonbc", best["dp_muonbc"], seed, *STEP_STD), secret))
+                out.append(Job(f"{contender}_{variant}_seed{seed}", "variants", after_tuning(contender, seed, *extra), secret))
+        out.append(Job(f"dp_muonbc_stepstd_seed{seed}", "variants", after_tuning("dp_muonbc", seed, *STEP_STD), secret))
     horizon = ("trainer.steps=null", f"trainer.epochs={HORIZON_EPOCHS}", "trainer.eval_every=25", "trainer.checkpoint_every=25")
     for seed in SEEDS:
         for contender in ("dp_muon", "dp_muonbc"):
-            out.append(Job(f"{contender}_seed{seed}", "horizon", overrides(contender, best[contender], seed, *horizon), mechanism_seed(seed)))
+            out.append(Job(f"{contender}_seed{seed}", "horizon", after_tuning(contender, seed, *horizon), mechanism_seed(seed)))
     return out
 
 

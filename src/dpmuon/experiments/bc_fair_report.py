@@ -3,8 +3,10 @@
     python -m dpmuon.experiments.bc_fair_report [results/bc_regime/fair]
 
 Writes `fair.md` next to the runs (every comparison paired by mechanism seed, with a t-based 95%
-confidence interval over seeds) and `paired_delta.png` (paired Δ validation NLL, DP-MuonBC −
-DP-Muon, against step: one panel per setting). A cell that was not measured says so.
+confidence interval over seeds, and what the oracle saw in the finals), `paired_delta.png`
+(paired Δ validation NLL, DP-MuonBC − DP-Muon, against step: one panel per setting) and
+`alignment_vs_snr.png` (the correction's single-draw and probe-averaged alignment gain against
+the true SNR, on the DP-Muon finals' trajectories). A cell that was not measured says so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from scipy import stats  # noqa: E402
 from ..eval.runs import SUMMARY_FILE, Run, read_summary  # noqa: E402
 from ..paths import REPO_ROOT  # noqa: E402
 from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, VARIANTS  # noqa: E402
+from .bc_regime_report import gain_figure  # noqa: E402
 
 NOT_RUN = "not run yet"
 _PNG_METADATA = {"Software": None}  # no matplotlib version stamp: reproducible files
@@ -96,6 +99,72 @@ def comparisons_markdown(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def oracle_rows(run: Run) -> list[dict]:
+    return [row for row in run.load_metrics() if "oracle_snr" in row]
+
+
+def per_matrix_medians(run: Run, value) -> list[float]:
+    """Per logged step, the median over matrices of value(row, matrix)."""
+    out = []
+    for row in oracle_rows(run):
+        values = [v for k in row["oracle_snr"] if (v := value(row, k)) is not None and math.isfinite(v)]
+        if values:
+            out.append(statistics.median(values))
+    return out
+
+
+def single_gain(row: dict, k: str) -> float:
+    return row["oracle_cos_bc"][k] - row["oracle_cos_plain"][k]
+
+
+def averaged_gain(row: dict, k: str) -> float:
+    return row["oracle_cos_bc_mean"][k] - row["oracle_cos_plain"][k]
+
+
+def signal_ratio(row: dict, k: str) -> float | None:
+    plain = row["oracle_signal_plain"][k]
+    return row["oracle_signal_bc"][k] / plain if plain > 0 else None
+
+
+ORACLE_COLUMNS = (
+    ("true SNR", lambda row, k: row["oracle_snr"][k]),
+    ("single-draw gain", single_gain),
+    ("probe-averaged gain (16 pairs)", averaged_gain),
+    ("signal ratio BC / plain", signal_ratio),
+)
+
+
+def oracle_markdown(finals: dict[str, Run]) -> str:
+    """Per final's trajectory: each column's median over steps of its median over matrices, then
+    mean [95% t-interval] over seeds."""
+    lines = ["## What the oracle sees in the finals (median over steps of the median over matrices; mean [95% t-interval] over seeds)", "",
+             "The oracle applies DP-MuonBC's correction (as configured for that run) to each run's own buffer M and compares with "
+             "F(M₀) of the noise-free buffer. Gain: cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩, for one draw of the probes and for the "
+             "map averaged over 16 probe pairs (which leaves the correction's bias, not its probes' variance). Signal: the "
+             "projection ⟨F_x, F(M₀)⟩/‖F(M₀)‖²; the ratio above 1 means the averaged corrected map carries more of the "
+             "noise-free direction than F(M), whatever its length. Not private: functions of the noise-free signal.", "",
+             "| trajectory | " + " | ".join(name for name, _ in ORACLE_COLUMNS) + " |", "|---|" + "---|" * len(ORACLE_COLUMNS)]  # fmt: skip
+    for contender in CONTENDERS:
+        cells = []
+        for _, value in ORACLE_COLUMNS:
+            per_seed = [statistics.median(m) for seed in SEEDS if (run := finals.get(f"{contender}_seed{seed}")) and (m := per_matrix_medians(run, value))]
+            cells.append(mean_ci(per_seed).replace("+", "") if per_seed else NOT_RUN)
+        lines.append(f"| {contender} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def alignment_figure(finals: dict[str, Run], path: Path) -> None:
+    """The DP-Muon finals' (true SNR, gain) of every matrix and step: one draw against 16 pairs."""
+    curves = []
+    for label, value in (("single-draw cosine", single_gain), ("probe-averaged (16 pairs)", averaged_gain)):
+        points = []
+        for seed in SEEDS:
+            for row in oracle_rows(finals[name]) if (name := f"dp_muon_seed{seed}") in finals else ():
+                points += [(row["oracle_snr"][k], g) for k in row["oracle_snr"] if row["oracle_snr"][k] > 0 and math.isfinite(g := value(row, k))]
+        curves.append((label, points))
+    gain_figure(curves, path, "Alignment gain of the correction vs true SNR\n(DP-Muon finals, ε = 8: one draw against the probe average)")
+
+
 def delta_curves(runs: dict[str, Run], bc: str, muon: str) -> dict[int, list[float]]:
     """Paired Δ validation NLL per step, over the seeds with both curves."""
     curves: dict[int, list[float]] = defaultdict(list)
@@ -137,14 +206,16 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
     """fair.md and paired_delta.png of the runs under `root`, written to `out` (default: `root`)."""
     out = out or root
     out.mkdir(parents=True, exist_ok=True)
-    table, figure = out / "fair.md", out / "paired_delta.png"
+    table, figure, alignment = out / "fair.md", out / "paired_delta.png", out / "alignment_vs_snr.png"
     header = (
         "# DP-MuonBC compared fairly (pretrained tiny model, E2E, lot 256, ε = 8)\n\n"
         "From `python -m dpmuon.experiments.bc_fair_report`; runs from `python -m dpmuon.experiments.bc_fair run`.\n\n"
     )
-    table.write_text(header + tuning_markdown(load(root, "tune")) + "\n" + comparisons_markdown(root))
+    finals = load(root, "finals")
+    table.write_text(header + tuning_markdown(load(root, "tune")) + "\n" + comparisons_markdown(root) + "\n" + oracle_markdown(finals))
     delta_figure(root, figure)
-    return [table, figure]
+    alignment_figure(finals, alignment)
+    return [table, figure, alignment]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,8 +52,6 @@ class RegimeRun:
     estimated_by_matrix: list[float] = field(default_factory=list)  # per matrix and step: the public estimate
     gain: list[float] = field(default_factory=list)  # per step: median over matrices of cos_bc − cos_plain
     pairs: list[tuple[float, float]] = field(default_factory=list)  # (true SNR, gain) per matrix and step
-    # (true SNR, gain of the probe-averaged corrected map) per matrix and step: runs that log it
-    pairs_mean: list[tuple[float, float]] = field(default_factory=list)
 
 
 def load_runs(root: Path) -> list[RegimeRun]:
@@ -92,9 +90,6 @@ def load_runs(root: Path) -> list[RegimeRun]:
                 run.estimated_snr.append(row["snr_median"])
             run.estimated_by_matrix.extend(v for v in (row.get("snr") or {}).values() if v is not None)
             run.pairs.extend((row["oracle_snr"][k], g) for k, g in gains.items() if math.isfinite(g))
-            if "oracle_cos_bc_mean" in row:
-                averaged = {k: row["oracle_cos_bc_mean"][k] - row["oracle_cos_plain"][k] for k in row["oracle_snr"]}
-                run.pairs_mean.extend((row["oracle_snr"][k], g) for k, g in averaged.items() if math.isfinite(g))
         runs.append(run)
     return runs
 
@@ -429,7 +424,7 @@ def gain_markdown(runs: list[RegimeRun]) -> str:
         "",
         "Gain: cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩ for one draw of the probes; positive means that draw points closer to "
         "the noise-free direction. A single draw mixes the correction's bias with its probes' variance, so this gain cannot show "
-        "bias (runs that log `oracle_cos_bc_mean` give the probe-averaged gain beside it in `gain_vs_snr.png`).",
+        "bias; the probe-averaged gain, which can, is measured on the fair comparison's finals (`fair/alignment_vs_snr.png`).",
         "",
         "| true SNR bin | matrix-steps | median gain | interquartile range | share with gain > 0 |",
         "|---|---|---|---|---|",
@@ -444,13 +439,12 @@ def gain_markdown(runs: list[RegimeRun]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gain_figure(runs: list[RegimeRun], path: Path) -> None:
-    pairs = map_gain_pairs(runs)
-    averaged = [p for run in runs if run.stage == "runs" and run.optimizer == "dp_muon" for p in run.pairs_mean]
+def gain_figure(curves: list[tuple[str, list[tuple[float, float]]]], path: Path, title: str) -> None:
+    """Each (label, [(true SNR, gain)]) curve binned by SNR: the median over the bin's matrix-steps
+    and its interquartile band."""
     fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.add_subplot()
-    curves = (("single-draw cosine", pairs, "#d62728", "o"), ("probe-averaged (16 pairs)", averaged, "#1f77b4", "s"))
-    for label, points, color, marker in curves:
+    for (label, points), color, marker in zip(curves, ("#d62728", "#1f77b4"), ("o", "s")):
         bins = gain_bins(points)
         if not bins:
             continue
@@ -458,13 +452,14 @@ def gain_figure(runs: list[RegimeRun], path: Path) -> None:
         ax.plot(centers, [np.median(g) for _, _, g in bins], marker=marker, color=color, label=f"{label}: median over matrices × steps")
         low, high = ([np.quantile(g, q) for _, _, g in bins] for q in (0.25, 0.75))
         ax.fill_between(centers, low, high, color=color, alpha=0.2, label=f"{label}: interquartile range")
-    if pairs or averaged:
+    every = [s for _, points in curves for s, _ in points]
+    if every:
         ax.legend(fontsize=8)
     ax.axhline(0.0, color="black", linewidth=0.8)
-    _decade_axis(ax, [s for s, _ in pairs + averaged])
+    _decade_axis(ax, every)
     ax.set_xlabel("true SNR ‖M₀‖²/(s²mn) (per matrix and step)")
     ax.set_ylabel("cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩")
-    ax.set_title("Alignment gain of the correction vs true SNR (DP-Muon map runs; single draw: not a bias measure)", fontsize=9)
+    ax.set_title(title, fontsize=9)
     _save(fig, path)
 
 
@@ -477,7 +472,8 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
     written[0].write_text(regime_markdown(runs) + gate_markdown(runs) + gain_markdown(runs) + pretrained_markdown(load_pretrained(root), runs))
     written[1].write_text(regime_csv(runs))
     delta_figure(runs, written[2])
-    gain_figure(runs, written[3])
+    title = "Alignment gain of the correction vs true SNR\n(DP-Muon map runs; single draw: not a bias measure)"
+    gain_figure([("single-draw cosine", map_gain_pairs(runs))], written[3], title)
     return written
 
 
