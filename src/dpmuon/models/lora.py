@@ -26,12 +26,15 @@ from transformers.pytorch_utils import Conv1D
 from ..errors import ConfigError, one_line
 
 # What `model.lora.target_modules=null` adapts, by the model's `config.model_type`: every
-# projection of attention and MLP (module names as peft matches them, by suffix).
-GPT2_TARGETS = ("c_attn", "c_proj", "c_fc")
+# projection of attention and MLP (module names as peft matches them, by suffix). The families are
+# those the engines are tested on with these adapters (tests/privacy/engines/test_coverage.py).
 LLAMA_LIKE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS: Mapping[str, tuple[str, ...]] = {
-    "gpt2": GPT2_TARGETS,
-    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "olmo2"), LLAMA_LIKE_TARGETS),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),  # HF Conv1D: fan_in_fan_out
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo2"), LLAMA_LIKE_TARGETS),
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
 }
 
 
@@ -60,7 +63,7 @@ class LoraOptions:
 
 
 TARGETS_KEY = "model.lora.target_modules"
-TARGETS_VALID = "null (defaults for gpt2 and Llama-like models) or a list of the model's module names, e.g. [q_proj, v_proj]"
+TARGETS_VALID = "null (the defaults of a known model family) or a list of the model's module names, e.g. [q_proj, v_proj]"
 
 
 def default_targets(model: nn.Module) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ class LoraSettings:
     r: int | None = option(None, "LoRA rank: train adapters on the frozen model (null: full fine-tuning)", ge=1)
     alpha: float | None = option(16.0, "LoRA: adapters add (alpha / r) · B A x (null: alpha = r)", gt=0)
     dropout: float = option(0.0, "LoRA: dropout probability on the adapters' input (public randomness)", ge=0, lt=1)
-    target_modules: list | None = option(None, "LoRA: module names to adapt (null: every attention and MLP projection of gpt2 / Llama-like)")
+    target_modules: list | None = option(None, "LoRA: module names to adapt (null: every attention and MLP projection, for gpt2, Llama-like, Gemma, Phi-3, OPT and GPT-NeoX models)")
     train_embeddings: bool = option(False, "LoRA: also train the token embedding and LM head (position embeddings, norms stay frozen)")
 
 

@@ -63,18 +63,9 @@ FAMILIES: dict[str, Callable[[], object]] = {
 # which Opacus takes for B·T samples.
 OPACUS_REFUSES = {"opt": "(OPTLearnedPositionalEmbedding|rows that are not examples)"}
 
-LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_TARGETS = {
-    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "olmo2"), LLAMA_LIKE),
-    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-    "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
-    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
-    "gpt2": ("c_attn", "c_proj", "c_fc"),  # Conv1D: fan_in_fan_out
-}
-
 
 def with_lora(model: nn.Module) -> nn.Module:
-    adapted = add_lora(model, LoraOptions(r=2, alpha=4.0, target_modules=LORA_TARGETS[model.config.model_type]))
+    adapted = add_lora(model, LoraOptions(r=2, alpha=4.0))  # the family's default targets
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # B starts at zero, where A's gradient vanishes: give both a gradient
         for name, p in adapted.named_parameters():
@@ -130,3 +121,17 @@ def test_both_engines_match_the_naive_loop_and_bound_each_contribution(family, v
                     assert norm <= threshold * (1 + 1e-4), (name, i, block)
         finally:
             engine.close()
+
+
+def test_default_lora_targets_are_every_projection_of_every_tested_family():
+    from transformers.pytorch_utils import Conv1D
+
+    from dpmuon.models.lora import DEFAULT_TARGETS
+
+    assert set(DEFAULT_TARGETS) == set(FAMILIES)  # a family gets defaults once the engines are tested on it
+    for family in FAMILIES:
+        model = tiny_model(family)
+        projections = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not model.get_output_embeddings()}
+        adapted = add_lora(model, LoraOptions(r=2, alpha=4.0))
+        wrapped = {n.removeprefix("base_model.model.") for n, m in adapted.named_modules() if hasattr(m, "lora_A")}
+        assert wrapped == projections, family
