@@ -18,8 +18,18 @@ from safetensors.torch import load_file
 
 from dpmuon import run_folder
 from dpmuon.data import load_tokenizer
-from dpmuon.errors import ConfigError
-from dpmuon.models import LoraOptions, Shape, add_lora, build_model, build_random_lm, hidden_matrices, per_example_lm_loss, save_adapter
+from dpmuon.errors import ConfigError, UserError
+from dpmuon.models import (
+    LoraOptions,
+    Shape,
+    add_lora,
+    build_model,
+    build_random_lm,
+    hidden_matrices,
+    per_example_lm_loss,
+    save_adapter,
+    weights_fingerprint,
+)
 from dpmuon.privacy import build_engine
 from dpmuon.privacy.engines.fast import FastEngine
 from dpmuon.training.data import prepare_data
@@ -173,12 +183,14 @@ def test_a_private_run_trains_every_adapter_and_not_the_base(lora_run):
     trained = trained_state(run_dir)
     before = start.state_dict()
     adapters = [k for k in before if ".lora_" in k]
-    assert adapters and set(trained) == set(before)
-    for key, value in before.items():
-        if key in adapters:
-            assert not torch.equal(trained[key], value), f"{key} did not change"
-        else:
-            assert torch.equal(trained[key], value), f"base weight {key} changed"
+    assert adapters and set(trained) == set(adapters)  # the checkpoint leaves the frozen base out
+    for key in adapters:
+        assert not torch.equal(trained[key], before[key]), f"{key} did not change"
+    # The base did not move: the start with the trained adapters is the run's final model.
+    start.load_state_dict(trained, strict=False)
+    assert weights_fingerprint(start) == summary["final_weights_sha256"]
+    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert checkpoint["frozen_weights_sha256"] == weights_fingerprint(start, frozen_only=True)
     losses = [json.loads(line)["train_loss"] for line in (run_dir / "diagnostics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.02, losses  # a random-init base: small but clear
     assert summary["initial_weights_sha256"] != summary["final_weights_sha256"]
@@ -194,8 +206,9 @@ def test_the_run_saves_its_adapters_and_evaluates_with_them(lora_run):
     saved = load_file(run_dir / run_folder.ADAPTER / "adapter_model.safetensors")
     assert saved and all(".lora_" in k for k in saved)
     trained = trained_state(run_dir)
-    for key, value in reloaded.state_dict().items():
-        assert torch.equal(value, trained[key]), key
+    assert {k for k in reloaded.state_dict() if ".lora_" in k} == set(trained)
+    for key, value in trained.items():
+        assert torch.equal(reloaded.state_dict()[key], value), key
     # The summary's test NLL is the adapted model's (the base model's differs).
     cfg = compose_config(*RUN)
     _, tokenizer = initial_model(run_dir)
@@ -223,6 +236,19 @@ def test_a_resume_restores_the_adapters(lora_run, tmp_path):
         assert t.start_step == 6
         assert all(not torch.equal(fresh[k], trained[k]) for k in fresh if "lora_B" in k)
         assert all(torch.equal(restored[k], trained[k]) for k in trained)
+    finally:
+        t.mechanism.release.close()
+
+
+def test_a_resume_refuses_a_base_model_other_than_the_one_the_run_began_with(lora_run):
+    run_dir, _ = lora_run
+    t = setup(compose_config(*RUN), run_dir)
+    try:
+        with torch.no_grad():  # as if model.name_or_path now held other weights
+            next(p for p in t.model.parameters() if not p.requires_grad).add_(1e-3)
+        t.frozen_weights = weights_fingerprint(t.model, frozen_only=True)
+        with pytest.raises(UserError, match="frozen base model .* is not the one the run started from"):
+            resume_training(t)
     finally:
         t.mechanism.release.close()
 

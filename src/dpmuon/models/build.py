@@ -52,14 +52,17 @@ def lm_head_is_tied(model: nn.Module) -> bool:
     return head is not None and head.weight is model.get_input_embeddings().weight
 
 
-def weights_fingerprint(model: nn.Module) -> str:
-    """SHA-256 of every parameter's name, dtype, shape and bytes: which weights a run started from.
+def weights_fingerprint(model: nn.Module, frozen_only: bool = False) -> str:
+    """SHA-256 of every parameter's (frozen_only: every frozen one's) name, dtype, shape and
+    bytes: which weights a run started from.
 
     A tied tensor counts once (named_parameters deduplicates it), so a model saved with
     `save_pretrained` and loaded again has the fingerprint it had when it was saved.
     """
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
+        if frozen_only and param.requires_grad:
+            continue
         tensor = param.detach().to("cpu").contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -88,6 +88,7 @@ class Training:
     data: RunData
     model: torch.nn.Module
     initial_weights: str  # fingerprint before any checkpoint is loaded: the run's starting point
+    frozen_weights: str | None  # LoRA: the frozen base's fingerprint (checkpoints leave the base out)
     mechanism: Mechanism  # plan, secret randomness, ledger, partition, release and lot sampler
     generators: dict[str, torch.Generator]
     named: dict[str, torch.nn.Parameter]
@@ -243,6 +244,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
         data=data,
         model=model,
         initial_weights=initial_weights,
+        frozen_weights=weights_fingerprint(model, frozen_only=True) if is_lora(model) else None,
         mechanism=mechanism,
         generators=generators,
         named=named,
@@ -313,7 +315,7 @@ def resume(t: Training) -> None:
         check_same_run(state.get("config_identity"), t.cfg, t.run_dir)
         check_resume_compatible(state["plan"], t.plan)
         verify_ledger(t.mechanism.ledger, state, CHECKPOINT_FILE)
-        t.model.load_state_dict(state["model"])
+        restore_weights(t, state)
         t.optimizer.load_state_dict(state["optimizer"])
         t.scheduler.load_state_dict(state["scheduler"])
         rng_restore(state["rng"], t.generators)
@@ -372,7 +374,8 @@ def checkpoint(t: Training, step: int) -> None:
         t.checkpoint_path,
         {
             "step": step,
-            "model": t.model.state_dict(),
+            "model": checkpoint_weights(t),
+            **({"frozen_weights_sha256": t.frozen_weights} if t.frozen_weights else {}),
             "optimizer": t.optimizer.state_dict(),
             "scheduler": t.scheduler.state_dict(),
             "rng": rng_snapshot(t.generators),
@@ -383,6 +386,32 @@ def checkpoint(t: Training, step: int) -> None:
             **ledger_record(t.mechanism.ledger),
         },
     )
+
+
+def checkpoint_weights(t: Training) -> dict[str, torch.Tensor]:
+    """The model's weights a checkpoint keeps: all of them, or a LoRA run's trained ones only (its
+    frozen base is rebuilt from the config on resume, and checked against its fingerprint)."""
+    if t.frozen_weights is None:
+        return t.model.state_dict()
+    trained = {name for name, p in t.model.named_parameters() if p.requires_grad}
+    return {name: value for name, value in t.model.state_dict().items() if name in trained}
+
+
+def restore_weights(t: Training, state: dict[str, Any]) -> None:
+    saved_base = state.get("frozen_weights_sha256")
+    if saved_base is None:  # every weight saved (full fine-tuning, or a LoRA checkpoint written before)
+        t.model.load_state_dict(state["model"])
+        return
+    if saved_base != t.frozen_weights:
+        raise UserError(
+            f"cannot resume {t.run_dir}: the frozen base model built from model.name_or_path={t.cfg.model.name_or_path} is not the "
+            f"one the run started from (weights fingerprint {str(t.frozen_weights)[:12]}…, {CHECKPOINT_FILE} records {saved_base[:12]}…); "
+            "resume with the base model it began with"
+        )
+    trained = {name for name, p in t.model.named_parameters() if p.requires_grad}
+    if set(state["model"]) != trained:
+        raise UserError(f"cannot resume {t.run_dir}: {CHECKPOINT_FILE} holds other trained weights than this model's adapters")
+    t.model.load_state_dict(state["model"], strict=False)
 
 
 def ledger_record(ledger: PrivacyLedger | None) -> dict[str, Any]:
