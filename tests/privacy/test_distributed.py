@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.multiprocessing as mp
 from conftest import tiny_gpt2, token_batch
 from helpers_train import require_real_data, seed_file_override
 
+from dpmuon.errors import UserError
 from dpmuon.eval.runs import read_run_rows
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.optim import MuonBCSettings, OptimizerInputs
@@ -88,6 +90,32 @@ def test_two_gloo_processes_release_what_one_process_releases(tmp_path):
             assert torch.allclose(p, single["params"][name], atol=1e-5, rtol=1e-5), name
     for name in ranks[0]["params"]:  # and the ranks agree bit for bit: one noise draw, broadcast by the sum
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])
+
+
+def _refusing_worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    parallel = DataParallel(rank, 2)
+
+    def check() -> int:
+        raise UserError("the ledger was deleted")
+
+    outcomes = [parallel.on_main(lambda: 41 + 1)]
+    try:
+        parallel.on_main(check)
+    except UserError as err:
+        outcomes.append(str(err))
+    parallel.leave()
+    torch.save(outcomes, f"{out}.{rank}")
+
+
+def test_a_refusal_on_rank_zero_is_raised_on_every_rank(tmp_path):
+    """Rank 0 checks the ledger alone; had it raised alone, rank 1 would wait in its next collective."""
+    context = mp.spawn(_refusing_worker, args=(str(tmp_path / "init"), str(tmp_path / "out")), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5):
+        assert time.monotonic() < deadline, "a rank is still waiting"
+    for rank in range(2):
+        assert torch.load(tmp_path / f"out.{rank}") == [42, "the ledger was deleted"]
 
 
 def test_shards_partition_the_lot():

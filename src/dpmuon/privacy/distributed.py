@@ -10,11 +10,16 @@ torch's DistributedDataParallel is not used: it would all-reduce raw, unclipped 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from ..errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,24 @@ class DataParallel:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def on_main(self, work: Callable[[], T]) -> T:
+        """`work()` on rank 0, its result broadcast to every rank. A refusal it raises (UserError)
+        is raised on every rank: rank 0 stopping alone would leave the others waiting forever in
+        their next collective."""
+        if self.world_size == 1:
+            return work()
+        outcome = None
+        if self.is_main:
+            try:
+                outcome = ("done", work())
+            except UserError as err:
+                refusal = err
+                outcome = ("refused", str(err))
+        kind, value = self.broadcast_object(outcome)
+        if kind == "refused":
+            raise refusal if self.is_main else UserError(value)
+        return value
 
 
 SINGLE = DataParallel(rank=0, world_size=1)

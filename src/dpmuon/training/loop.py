@@ -262,8 +262,8 @@ def run_mechanism(
     cfg: DictConfig, settings: PrivacySettings, run_dir: Path, model: torch.nn.Module, dataset_size: int, matrices: dict, parallel: DataParallel
 ) -> Mechanism:
     """The run's mechanism (privacy/mechanism.py), its ledger in the run directory."""
-    if settings.private and parallel.is_main:
-        check_ledger_kept(run_dir)
+    if settings.private:
+        parallel.on_main(lambda: check_ledger_kept(run_dir))
     # The mechanism's randomness is secret (never from `seed`); `seed` drives what is public.
     return build_mechanism(
         model,
@@ -684,11 +684,14 @@ def restore_mechanism(mechanism: Mechanism, path: Path, step: int) -> dict | Non
     new, charged release.
     """
     randomness, sampler, ledger, parallel = mechanism.randomness, mechanism.sampler, mechanism.ledger, mechanism.parallel
-    saved = load_mechanism_state(path, step) if parallel.is_main else None
-    if saved is not None:
-        verify_ledger(ledger, saved, path.name)
-    if parallel.world_size > 1:
-        saved = parallel.broadcast_object(saved)
+
+    def load_verified() -> dict | None:
+        saved = load_mechanism_state(path, step)
+        if saved is not None:
+            verify_ledger(ledger, saved, path.name)
+        return saved
+
+    saved = parallel.on_main(load_verified)
     if saved is not None:
         if set(saved["sampler"]) != set(sampler.state_dict()):  # saved by the other lot sampler
             kind = "shuffle" if isinstance(sampler, ShuffleLotSampler) else "poisson"
