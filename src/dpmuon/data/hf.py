@@ -67,7 +67,7 @@ class HFDataset(DatasetSettings):
 
     name: str = option("hf", "the private set's name (run folders, the ledger, tables)")
     files: HFFiles = option(factory=HFFiles, help="a local file per split")
-    builder: str | None = option(None, "the datasets builder (null: from each file's extension)", choices=("json", "csv", "text"))
+    builder: str | None = option(None, "the datasets builder (null: from each file's extension)", choices=tuple(dict.fromkeys(BUILDERS.values())))
     hub_id: str | None = option(None, "a Hugging Face hub dataset instead of files (downloads)")
     hub_config: str | None = option(None, "the hub dataset's configuration name")
     source_key: str = option("source", "the column holding the source (text, mapping or triples)")

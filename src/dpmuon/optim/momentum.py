@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-MOMENTUM_KINDS = ("heavy_ball", "ema")
+from .choices import MOMENTUM_KINDS
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,10 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from .bias_correction import corrected_and_plain
+from .choices import BC_NOISE_STDS, UPDATE_SCALES
 from .momentum import MomentumRule, advance
 from .newton_schulz import newton_schulz
 
-UPDATE_SCALES = ("adam_rms", "reference", "none")
-# DP-MuonBC's s: the noise std of the matrix Newton–Schulz sees (the momentum buffer's), or of
-# one step's released gradient — a reading of the paper that corrects far less (β = 0.95: ~10×).
-BC_NOISE_STDS = ("buffer", "step")
 LAYOUTS = ("out_in", "in_out")
 
 

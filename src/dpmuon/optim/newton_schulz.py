@@ -12,6 +12,8 @@ from math import comb
 
 import torch
 
+from .choices import NS_NORMALIZATIONS
+
 # Tuned quintic of the reference Muon implementation: steepest slope at zero, converges to
 # singular values in roughly [0.7, 1.2] rather than exactly 1.
 QUINTIC_TUNED = (3.4445, -4.7750, 2.0315)
@@ -98,7 +100,7 @@ def newton_schulz(
     elif normalize == "max1":
         X = X / norm.clamp(min=1.0)
     else:
-        raise ValueError(f"unknown normalization {normalize!r}; expected 'frobenius' or 'max1'")
+        raise ValueError(f"unknown normalization {normalize!r}; expected one of {NS_NORMALIZATIONS}")
     for _ in range(steps):
         if len(coeffs) == 1:
             X = coeffs[0] * X

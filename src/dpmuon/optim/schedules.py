@@ -18,7 +18,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from .settings import SCHEDULES
+from .choices import SCHEDULES
 
 
 def lr_factor(t: int, schedule: str, total_steps: int, warmup_steps: int) -> float:

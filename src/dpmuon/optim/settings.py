@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING
 from hydra.utils import instantiate
 
 from ..settings import Settings, option, settings
+from .choices import BC_NOISE_STDS, MOMENTUM_KINDS, NS_NORMALIZATIONS, SCHEDULES, UPDATE_SCALES
 
 if TYPE_CHECKING:
     import torch
-
-SCHEDULES = ("constant", "linear", "cosine")  # the factors are optim/schedules.py's
 
 
 @dataclass
@@ -110,13 +109,13 @@ class MuonSettings(OptimizerSettings):
     """Muon on the hidden matrices, Adam(W) on every other tensor, both from the same gradient."""
 
     momentum: float = option(0.95, "momentum β", ge=0, lt=1)
-    momentum_kind: str = option("heavy_ball", "Muon momentum: m = βm + g, or m = βm + (1-β)g", choices=("heavy_ball", "ema"))
+    momentum_kind: str = option("heavy_ball", "Muon momentum: m = βm + g, or m = βm + (1-β)g", choices=MOMENTUM_KINDS)
     nesterov: bool = option(False, "Nesterov momentum")
     ns_steps: int = option(5, "Newton–Schulz iterations", ge=1)
     ns_coefficients: str | list = option("quintic", "Newton–Schulz polynomial: quintic | series:K | [a, b, c]", kind="ns_coefficients")
-    ns_normalize: str = option("frobenius", "normalisation before Newton–Schulz", choices=("frobenius", "max1"))
+    ns_normalize: str = option("frobenius", "normalisation before Newton–Schulz", choices=NS_NORMALIZATIONS)
     ns_dtype: str | None = option(None, "Newton–Schulz dtype (null: the parameter's)", choices=("bfloat16",))
-    update_scale: str = option("adam_rms", "Muon update scale: 0.2·√max(m,n), √max(1,out/in) or 1", choices=("adam_rms", "reference", "none"))
+    update_scale: str = option("adam_rms", "Muon update scale: 0.2·√max(m,n), √max(1,out/in) or 1", choices=UPDATE_SCALES)
     adam: AdamPart = option(factory=AdamPart, help="the Adam part (non-matrix tensors)")
 
     def build(self, inputs: OptimizerInputs) -> torch.optim.Optimizer:
@@ -160,7 +159,7 @@ class BiasCorrection:
     num_probes: int = option(1, "DP-MuonBC antithetic probe pairs K", ge=1)
     min_snr: float | None = option(None, "correct only where the public SNR estimate exceeds this (null: always)")
     match_norm: bool = option(False, "rescale F_BC(M) per matrix to ‖F(M)‖_F: the correction changes only the direction")
-    noise_std: str = option("buffer", "DP-MuonBC's s: the momentum buffer's noise std, or one step's release", choices=("buffer", "step"))
+    noise_std: str = option("buffer", "DP-MuonBC's s: the momentum buffer's noise std, or one step's release", choices=BC_NOISE_STDS)
 
 
 @settings("optimizer")
