@@ -2,7 +2,7 @@
 horizon long enough for late gains (results/bc_regime/fair/, issue 25).
 
     python -m dpmuon.experiments.bc_fair run [--jobs 2]   # every stage whose inputs exist (resumable)
-    python -m dpmuon.experiments.bc_fair list             # the runs the next `run` would do
+    python -m dpmuon.experiments.bc_fair list             # every run known so far: done or to do
 
 The setting of the regime map (experiment=pretrained_tiny_e2e: the public tiny model, lot 256,
 ε = 8, 100 steps; lots as drawn, not padded to constant time), in stages that each need the
@@ -116,10 +116,15 @@ def tuning_grid(results: Path, contender: str) -> tuple[list[float], float | Non
 
 def jobs(results: Path, mechanism_seed) -> list[Job]:
     """The runs of every stage whose inputs are published; seed-major within a stage."""
-    out, best = [], {}
-    for contender in CONTENDERS:
-        rates, best[contender] = tuning_grid(results, contender)
-        out += [Job(tune_name(contender, lr, s), "tune", overrides(contender, lr, s), mechanism_seed(s)) for s in SEEDS_TUNE for lr in rates]
+    grids = {contender: tuning_grid(results, contender) for contender in CONTENDERS}
+    best = {contender: grid[1] for contender, grid in grids.items()}
+    # Seed 0 of every contender and rate first: a stage cut short still compares them all.
+    out = [
+        Job(tune_name(contender, lr, s), "tune", overrides(contender, lr, s), mechanism_seed(s))
+        for s in SEEDS_TUNE
+        for contender, (rates, _) in grids.items()
+        for lr in rates
+    ]
     if None in best.values():
         return out
 
@@ -181,8 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=REPO / "results" / "bc_regime" / "fair")
     args = parser.parse_args(argv)
     if args.command == "list":
-        for job in jobs(args.results, lambda seed: None):
-            print(job.stage, job.name, " ".join(job.overrides))
+        todo = jobs(args.results, lambda seed: None)
+        published = {job for job in todo if (args.results / job.stage / job.name / SUMMARY_FILE).exists()}
+        for job in todo:
+            print("done " if job in published else "to do", job.stage, job.name, " ".join(job.overrides))
+        for stage in dict.fromkeys(job.stage for job in todo):
+            in_stage = [job for job in todo if job.stage == stage]
+            print(f"{stage}: {sum(job in published for job in in_stage)} of {len(in_stage)} published")
+        if "finals" not in {job.stage for job in todo}:
+            print("finals, variants, horizon: listed once every tuning run is published")
         return 0
     os.environ.setdefault("WANDB_MODE", "disabled")
     public_model(args.results)
