@@ -15,6 +15,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -103,7 +104,7 @@ def oracle_rows(run: Run) -> list[dict]:
     return [row for row in run.load_metrics() if "oracle_snr" in row]
 
 
-def per_matrix_medians(run: Run, value) -> list[float]:
+def per_matrix_medians(run: Run, value: Callable[[dict, str], float | None]) -> list[float]:
     """Per logged step, the median over matrices of value(row, matrix)."""
     out = []
     for row in oracle_rows(run):
@@ -148,20 +149,18 @@ def oracle_markdown(finals: dict[str, Run]) -> str:
         cells = []
         for _, value in ORACLE_COLUMNS:
             per_seed = [statistics.median(m) for seed in SEEDS if (run := finals.get(f"{contender}_seed{seed}")) and (m := per_matrix_medians(run, value))]
-            cells.append(mean_ci(per_seed).replace("+", "") if per_seed else NOT_RUN)
+            cells.append(mean_ci(per_seed).replace("+", ""))
         lines.append(f"| {contender} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def alignment_figure(finals: dict[str, Run], path: Path) -> None:
     """The DP-Muon finals' (true SNR, gain) of every matrix and step: one draw against 16 pairs."""
-    curves = []
-    for label, value in (("single-draw cosine", single_gain), ("probe-averaged (16 pairs)", averaged_gain)):
-        points = []
-        for seed in SEEDS:
-            for row in oracle_rows(finals[name]) if (name := f"dp_muon_seed{seed}") in finals else ():
-                points += [(row["oracle_snr"][k], g) for k in row["oracle_snr"] if row["oracle_snr"][k] > 0 and math.isfinite(g := value(row, k))]
-        curves.append((label, points))
+    rows = [row for seed in SEEDS if (name := f"dp_muon_seed{seed}") in finals for row in oracle_rows(finals[name])]
+    curves = [
+        (label, [(row["oracle_snr"][k], g) for row in rows for k in row["oracle_snr"] if row["oracle_snr"][k] > 0 and math.isfinite(g := value(row, k))])
+        for label, value in (("single-draw cosine", single_gain), ("probe-averaged (16 pairs)", averaged_gain))
+    ]
     gain_figure(curves, path, "Alignment gain of the correction vs true SNR\n(DP-Muon finals, ε = 8: one draw against the probe average)")
 
 
@@ -203,7 +202,7 @@ def delta_figure(root: Path, path: Path) -> None:
 
 
 def write_report(root: Path, out: Path | None = None) -> list[Path]:
-    """fair.md and paired_delta.png of the runs under `root`, written to `out` (default: `root`)."""
+    """fair.md and the two figures of the runs under `root`, written to `out` (default: `root`)."""
     out = out or root
     out.mkdir(parents=True, exist_ok=True)
     table, figure, alignment = out / "fair.md", out / "paired_delta.png", out / "alignment_vs_snr.png"
