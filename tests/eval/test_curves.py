@@ -18,6 +18,8 @@ from dpmuon.eval.curves import NOT_LOGGED, PANELS, CurveBand, aggregate_curves, 
 from dpmuon.eval.grouping import group_runs
 from dpmuon.eval.runs import find_runs
 
+GAP = next(panel for panel in PANELS if panel.gap)
+
 
 def test_curve_aggregation_means_and_min_max_band(runs_root: Path):
     e2e_runs = [run for run in find_runs([runs_root]) if run.dataset == "e2e"]
@@ -50,6 +52,9 @@ def test_curves_are_written_as_reproducible_pngs(runs_root: Path, tmp_path: Path
     names = ["curves.png"] + [panel.file_name for panel in PANELS]
     for dataset in ("e2e", "dart"):
         for name in names:
+            if dataset == "dart" and name == GAP.file_name:
+                assert not (first / dataset / name).exists()  # one DP method there: no gap to show
+                continue
             data = (first / dataset / name).read_bytes()
             assert data.startswith(PNG_SIGNATURE)
             assert data == (second / dataset / name).read_bytes()
@@ -102,9 +107,6 @@ def test_captions_match_the_number_of_seeds_and_a_diverged_run_says_so(tmp_path:
     assert [text.get_text() for text in axes.texts] == [curves.DIVERGED]
 
 
-GAP = next(panel for panel in PANELS if panel.gap)
-
-
 def test_the_gap_panel_subtracts_the_best_dp_mean_at_each_step_and_leaves_out_non_private_runs(runs_root: Path):
     e2e_runs = [run for run in find_runs([runs_root]) if run.dataset == "e2e"]
     gaps = {group.label: band for group, band in gaps_to_best_private(aggregate_curves(e2e_runs, "val_nll"))}
@@ -115,9 +117,6 @@ def test_the_gap_panel_subtracts_the_best_dp_mean_at_each_step_and_leaves_out_no
     assert gaps["dp_adam"].high.tolist() == pytest.approx([0.1, 0.2])  # the seed band moves with the mean
     one_dp = [run for run in e2e_runs if run.optimizer != "dp_adam"]
     assert gaps_to_best_private(aggregate_curves(one_dp, "val_nll")) == []
-    axes: Axes = Figure().subplots()
-    draw_panel(axes, GAP, [])
-    assert [text.get_text() for text in axes.texts] == [curves.NO_GAP]
 
 
 def test_the_gap_axis_shows_late_differences_of_hundredths_not_the_early_descent(runs_root: Path):

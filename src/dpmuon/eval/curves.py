@@ -42,7 +42,6 @@ MARKED_POINTS = 8
 BAND_NOTE = "line: mean over seeds; band: min–max over seeds"
 ONE_RUN_NOTE = "one run per line"
 NOT_LOGGED = "not logged"
-NO_GAP = "fewer than two DP methods"
 DIVERGED = "diverged"
 # Matplotlib otherwise stamps its version into the PNG; leaving it out keeps files reproducible.
 _PNG_METADATA = {"Software": None}
@@ -103,8 +102,8 @@ def aggregate_curves(runs: Sequence[Run], key: str, diagnostics: bool = True) ->
 
 def gaps_to_best_private(curves: list[tuple[RunGroup, CurveBand]]) -> list[tuple[RunGroup, CurveBand]]:
     """The DP groups' curves minus, at each step all of them logged, the lowest DP mean there
-    (bands: each group's seed minimum and maximum minus that same mean). Fewer than two DP groups
-    have no gap to show."""
+    (bands: each group's seed minimum and maximum minus that same mean); none for fewer than two
+    DP groups."""
     private = [(group, band) for group, band in curves if group.key.private]
     if len(private) < 2:
         return []
@@ -141,14 +140,15 @@ def write_curves(runs: Sequence[Run], out_dir: Path, diagnostics: bool = True) -
         several = any(len(group.runs) > 1 for panel in curves.values() for group, _ in panel)
         note = BAND_NOTE if several else ONE_RUN_NOTE
         any_diverged = any(map(diverged, dataset_runs))
+        shown = [panel for panel in PANELS if curves[panel] or not panel.gap]  # one DP method (a run's own curves): no gap
 
-        combined = new_figure(width=5.2 * len(PANELS))
-        for axes, panel in zip(combined.subplots(1, len(PANELS)), PANELS):
+        combined = new_figure(width=5.2 * len(shown))
+        for axes, panel in zip(combined.subplots(1, len(shown)), shown):
             draw_panel(axes, panel, curves[panel], any_diverged)
         combined.suptitle(f"{dataset} ({note})")
         written.append(save_figure(combined, folder / "curves.png"))
 
-        for panel in PANELS:
+        for panel in shown:
             single = new_figure(width=6.0)
             draw_panel(single.subplots(), panel, curves[panel], any_diverged)
             single.suptitle(f"{dataset} ({note})", fontsize="medium")
@@ -167,7 +167,7 @@ def diverged(run: Run) -> bool:
 def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]], any_diverged: bool = False) -> None:
     axes.set_title(panel.title)
     if not curves:  # (a diverged run logs its non-finite values as null: nothing to draw)
-        axes.text(0.5, 0.5, DIVERGED if any_diverged else NO_GAP if panel.gap else NOT_LOGGED, ha="center", va="center", transform=axes.transAxes, color="gray")
+        axes.text(0.5, 0.5, DIVERGED if any_diverged else NOT_LOGGED, ha="center", va="center", transform=axes.transAxes, color="gray")
         axes.set_xticks([])
         axes.set_yticks([])
         return
