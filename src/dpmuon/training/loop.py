@@ -393,8 +393,7 @@ def checkpoint_weights(t: Training) -> dict[str, torch.Tensor]:
     frozen base is rebuilt from the config on resume, and checked against its fingerprint)."""
     if t.frozen_weights is None:
         return t.model.state_dict()
-    trained = {name for name, p in t.model.named_parameters() if p.requires_grad}
-    return {name: value for name, value in t.model.state_dict().items() if name in trained}
+    return {name: value for name, value in t.model.state_dict().items() if name in t.named}
 
 
 def restore_weights(t: Training, state: dict[str, Any]) -> None:
@@ -408,8 +407,7 @@ def restore_weights(t: Training, state: dict[str, Any]) -> None:
             f"one the run started from (weights fingerprint {str(t.frozen_weights)[:12]}…, {CHECKPOINT_FILE} records {saved_base[:12]}…); "
             "resume with the base model it began with"
         )
-    trained = {name for name, p in t.model.named_parameters() if p.requires_grad}
-    if set(state["model"]) != trained:
+    if set(state["model"]) != set(t.named):
         raise UserError(f"cannot resume {t.run_dir}: {CHECKPOINT_FILE} holds other trained weights than this model's adapters")
     t.model.load_state_dict(state["model"], strict=False)
 
