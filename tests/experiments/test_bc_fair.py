@@ -9,15 +9,15 @@ import statistics
 from pathlib import Path
 
 import pytest
-from helpers_runs import write_run
+from helpers_runs import table_rows, write_run
 
 from dpmuon.experiments.bc_fair import CONTENDERS, PUBLISH_DIAGNOSTICS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
-from dpmuon.experiments.bc_fair_report import comparisons_markdown, load, mean_ci, oracle_markdown, paired, write_report
+from dpmuon.experiments.bc_fair_report import comparisons_markdown, load, mean_ci, oracle_markdown, paired, tuning_markdown, write_report
 
 
-def publish(results: Path, contender: str, lr: float, nll: float) -> None:
-    for seed in SEEDS_TUNE:
-        write_run(results / "tune", tune_name(contender, lr, seed), val_nll=nll + 0.001 * seed)
+def publish(results: Path, contender: str, lr: float, nll: float, seeds=SEEDS_TUNE) -> None:
+    for seed in seeds:
+        write_run(results / "tune", tune_name(contender, lr, seed), val_nll=nll + 0.001 * seed, learning_rates={"lr": float(f"{lr:.6g}")})
 
 
 def test_tuning_waits_for_every_run_then_extends_a_winning_edge(tmp_path):
@@ -46,6 +46,19 @@ def test_later_stages_start_from_the_best_rates_paired_by_seed(tmp_path):
     assert all((PUBLISH_DIAGNOSTICS in job.overrides) == (job.stage != "tune") for job in todo)
     assert all(("logging.oracle_alignment=true" in job.overrides) == (job.stage == "finals") for job in todo)
     assert all("privacy.constant_time=false" in job.overrides for job in todo)
+
+
+def test_the_tuning_table_marks_only_the_runners_selection(tmp_path):
+    for lr in RATES:  # complete, the middle rate wins: selected
+        publish(tmp_path, "dp_muon", lr, nll=abs(lr - RATES[2]))
+    for lr in RATES:  # the smallest rate wins, so the grid grows: nothing is selected yet
+        publish(tmp_path, "dp_muonbc", lr, nll=lr)
+    publish(tmp_path, "dp_muonbc_matched", RATES[0], nll=0.1, seeds=(0,))  # one seed of one rate
+    rows = {row[0]: row[1:] for row in table_rows(tuning_markdown(tmp_path))}
+    assert [cell.endswith("* (2)") for cell in rows[f"{RATES[2]:.4g}"]] == [True, False, False]
+    assert not any("*" in cell for row in rows.values() for cell in row[1:])
+    assert rows[f"{RATES[0]:.4g}"][2] == "0.1000 (1)"
+    assert "Not selected yet (dp_muonbc, dp_muonbc_matched)" in tuning_markdown(tmp_path)
 
 
 def test_report_pairs_by_seed_with_a_t_interval(tmp_path):

@@ -26,7 +26,7 @@ from scipy import stats  # noqa: E402
 
 from ..eval.runs import SUMMARY_FILE, Run, read_summary  # noqa: E402
 from ..paths import REPO_ROOT  # noqa: E402
-from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, VARIANTS  # noqa: E402
+from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, VARIANTS, tuning_grid  # noqa: E402
 from .bc_regime_report import gain_figure  # noqa: E402
 
 NOT_RUN = "not run yet"
@@ -58,23 +58,28 @@ def paired(runs: dict[str, Run], bc: str, muon: str, key: str = "test_nll") -> l
     return deltas
 
 
-def tuning_markdown(tune: dict[str, Run]) -> str:
+def tuning_markdown(root: Path) -> str:
+    """Mean validation NLL per contender and rate; the mark is the runner's own selection."""
     by_rate: dict[str, dict[float, list[float]]] = {c: defaultdict(list) for c in CONTENDERS}
-    for name, run in tune.items():
+    for name, run in load(root, "tune").items():
         contender = name.rsplit("_lr", 1)[0]
         if contender in by_rate and run.summary.get("val_nll") is not None:
             by_rate[contender][run.learning_rates["lr"]].append(run.summary["val_nll"])
+    selected = {contender: tuning_grid(root, contender)[1] for contender in CONTENDERS}
     rates = sorted({lr for grid in by_rate.values() for lr in grid})
     lines = ["## Tuning at the final horizon (validation NLL, mean over seeds; * = selected)", "",
              "| rate | " + " | ".join(CONTENDERS) + " |", "|---|" + "---|" * len(CONTENDERS)]  # fmt: skip
-    best = {c: min(g, key=lambda lr: statistics.mean(g[lr])) if g else None for c, g in by_rate.items()}
     for lr in rates:
         cells = []
         for contender in CONTENDERS:
             values = by_rate[contender].get(lr)
-            mark = "*" if best[contender] == lr else ""
+            # Rates are compared as the run names spell them (config.yaml keeps 6 digits).
+            mark = "*" if selected[contender] is not None and f"{selected[contender]:.4g}" == f"{lr:.4g}" else ""
             cells.append(f"{statistics.mean(values):.4f}{mark} ({len(values)})" if values else NOT_RUN)
         lines.append(f"| {lr:.4g} | " + " | ".join(cells) + " |")
+    waiting = [contender for contender, lr in selected.items() if lr is None]
+    if waiting:
+        lines += ["", f"Not selected yet ({', '.join(waiting)}): a rate of the grid lacks a seed, or an edge wins and the grid grows past it."]
     return "\n".join(lines) + "\n"
 
 
@@ -211,7 +216,7 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
         "From `python -m dpmuon.experiments.bc_fair_report`; runs from `python -m dpmuon.experiments.bc_fair run`.\n\n"
     )
     finals = load(root, "finals")
-    table.write_text(header + tuning_markdown(load(root, "tune")) + "\n" + comparisons_markdown(root) + "\n" + oracle_markdown(finals))
+    table.write_text(header + tuning_markdown(root) + "\n" + comparisons_markdown(root) + "\n" + oracle_markdown(finals))
     delta_figure(root, figure)
     alignment_figure(finals, alignment)
     return [table, figure, alignment]
