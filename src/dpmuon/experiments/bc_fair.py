@@ -131,10 +131,12 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
     def after_tuning(contender: str, seed: int, *extra: str) -> tuple[str, ...]:
         return overrides(contender, best[contender], seed, *extra, PUBLISH_DIAGNOSTICS)
 
+    # Stage by stage: every seed of the finals (the headline comparison) before any variant.
+    for seed in SEEDS:
+        for contender in CONTENDERS:
+            out.append(Job(f"{contender}_seed{seed}", "finals", after_tuning(contender, seed, "logging.oracle_alignment=true"), mechanism_seed(seed)))
     for seed in SEEDS:
         secret = mechanism_seed(seed)
-        for contender in CONTENDERS:
-            out.append(Job(f"{contender}_seed{seed}", "finals", after_tuning(contender, seed, "logging.oracle_alignment=true"), secret))
         for variant, extra in VARIANTS.items():
             for contender in ("dp_muon", "dp_muonbc"):
                 out.append(Job(f"{contender}_{variant}_seed{seed}", "variants", after_tuning(contender, seed, *extra), secret))
