@@ -42,6 +42,8 @@ def test_later_stages_start_from_the_best_rates_paired_by_seed(tmp_path):
     assert len(finals) == len(CONTENDERS) * len(SEEDS)
     assert all(f"optimizer.lr={RATES[2]:.6g}" in job.overrides for job in finals)
     assert all(job.mechanism_seed == 100 + int(job.name[-1]) for job in todo if job.stage != "tune")
+    # Fresh draws after tuning: a final on a tuning seed would repeat the run that picked its rate.
+    assert not {int(job.name[-1]) for job in todo if job.stage != "tune"} & set(SEEDS_TUNE)
     # Stage by stage: every seed of the finals before any variant.
     assert [stage for stage, _ in itertools.groupby(job.stage for job in todo)] == ["tune", "finals", "variants", "horizon"]
     # Only what comes after tuning publishes its diagnostics (the finals' oracle among them).
@@ -64,10 +66,12 @@ def test_the_tuning_table_marks_only_the_runners_selection(tmp_path):
 
 
 def test_report_pairs_by_seed_with_a_t_interval(tmp_path):
-    for seed, (bc, muon) in enumerate([(0.50, 0.52), (0.61, 0.60), (0.44, 0.47)]):
+    for seed, (bc, muon) in zip(SEEDS, [(0.50, 0.52), (0.61, 0.60), (0.44, 0.47)]):
         write_run(tmp_path / "finals", f"dp_muonbc_seed{seed}", test_nll=bc)
         write_run(tmp_path / "finals", f"dp_muon_seed{seed}", test_nll=muon)
-    write_run(tmp_path / "finals", "dp_muonbc_matched_seed0", test_nll=0.4)  # no seed-0 pair missing: n = 1
+    write_run(tmp_path / "finals", f"dp_muonbc_matched_seed{SEEDS[0]}", test_nll=0.4)  # one pair: n = 1
+    write_run(tmp_path / "finals", f"dp_muonbc_seed{SEEDS_TUNE[0]}", test_nll=9.0)  # a tuning seed: not a final
+    write_run(tmp_path / "finals", f"dp_muon_seed{SEEDS_TUNE[0]}", test_nll=0.0)
     runs = load(tmp_path, "finals")
     deltas = paired(runs, "dp_muonbc", "dp_muon")
     assert deltas == pytest.approx([-0.02, 0.01, -0.03])
@@ -114,7 +118,7 @@ def oracle_row(step: int, snr: float, single: float, averaged: float, ratio: flo
 
 
 def test_the_oracle_table_and_figure_come_from_the_finals_published_rows(tmp_path):
-    for seed, averaged in enumerate([0.010, 0.012, 0.014]):  # seed s: probe-averaged gain 0.010 + 0.002 s at every step
+    for seed, averaged in zip(SEEDS, [0.010, 0.012, 0.014]):  # seed s: probe-averaged gain 0.010 + 0.002 s at every step
         rows = [oracle_row(step, 0.02, single=-0.004, averaged=averaged, ratio=1.25) for step in (1, 2, 3)]
         write_run(tmp_path / "finals", f"dp_muon_seed{seed}", rows + [{"step": 3, "val_nll": 2.0}])
     table = oracle_markdown(load(tmp_path, "finals"))
