@@ -24,7 +24,10 @@ Runs of one seed index share one mechanism seed (the same lots and noise for eve
 paired comparison), drawn once from OS entropy. The study spans many working sessions, and a
 session keeps nothing but the repository, so the seeds are committed beside the runs
 (results/bc_regime/fair/mechanism_seeds.json): a pair begun in one session is completed in the
-next, and every run reproduces bit for bit. A run whose seed is published is a measurement of
+next on the same lots and noise. A run reproduces bit for bit on the same machine; another CPU
+rounds differently (the public model's step-0 validation NLL is 6.70724056 on one session's
+machine and 6.70724043 on another's), which moves a 100-step run's NLL by ~5e-5, far below the
+differences compared. A run whose seed is published is a measurement of
 the optimizers, not a private release of E2E (its ε is the mechanism's calibration, not a
 guarantee about these files); see bc_regime.py.
 """
