@@ -104,6 +104,29 @@ def test_the_runner_restores_the_kept_public_model_and_refuses_another(tmp_path,
         bc_fair.public_model(results)
 
 
+def test_run_stage_runs_only_that_stage_once_its_inputs_are_in(tmp_path, monkeypatch):
+    from dpmuon.experiments import bc_fair
+
+    ran = []
+
+    def run_jobs(pending, work, results, threads, parallel):  # publishes each job as a finished run
+        ran.extend(pending)
+        for job in pending:
+            write_run(results / job.stage, job.name)
+
+    monkeypatch.setattr(bc_fair, "public_model", lambda results: None)
+    monkeypatch.setattr(bc_fair, "run_jobs", run_jobs)
+    args = ["run", "--results", str(tmp_path), "--work", str(tmp_path / "work")]
+    with pytest.raises(SystemExit, match="--stage horizon: the stages before it are not all published"):
+        bc_fair.main([*args, "--stage", "horizon"])
+    for contender in CONTENDERS:
+        for lr in RATES:
+            publish(tmp_path, contender, lr, nll=abs(lr - RATES[2]))
+    assert bc_fair.main([*args, "--stage", "horizon"]) == 0
+    assert {job.stage for job in ran} == {"horizon"} and len(ran) == 2 * len(SEEDS)
+    assert not (tmp_path / "finals").exists()
+
+
 def oracle_row(step: int, snr: float, single: float, averaged: float, ratio: float) -> dict:
     matrices = ("a", "b")
     return {

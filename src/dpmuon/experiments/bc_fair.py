@@ -2,6 +2,7 @@
 horizon long enough for late gains (results/bc_regime/fair/, issue 25).
 
     python -m dpmuon.experiments.bc_fair run [--jobs 2]   # every stage whose inputs exist (resumable)
+    python -m dpmuon.experiments.bc_fair run --stage horizon   # one stage only (long runs first in a session)
     python -m dpmuon.experiments.bc_fair list             # every run known so far: done or to do
 
 The setting of the regime map (experiment=pretrained_tiny_e2e: the public tiny model, lot 256,
@@ -48,6 +49,7 @@ from .bc_regime import MechanismSeeds, publish_public_model
 from .jobs import REPO, Job, run_jobs
 
 RATES = tuple(0.005 * 2 ** (k / 2) for k in range(5))  # 0.005 … 0.02: √2 apart around the committed 0.01
+STAGES = ("tune", "finals", "variants", "horizon")
 SEEDS_TUNE = (0, 1)
 # The finals, variants and horizon run on seed indices that tuning did not use: the same mechanism
 # seed is the same lots and noise, so on seeds 0–1 the finals would repeat the runs that picked
@@ -190,6 +192,7 @@ def check_public_model(results: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("run", "list"))
+    parser.add_argument("--stage", choices=("all", *STAGES), default="all", help="run only this stage's runs (once its inputs are published)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "bc_fair", help="working run directories")
     parser.add_argument("--results", type=Path, default=REPO / "results" / "bc_regime" / "fair")
@@ -210,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     seeds = MechanismSeeds(args.results / SEEDS_FILE)
     while True:  # a stage's results unlock the next one's jobs
         todo = jobs(args.results, seeds)
-        pending = [job for job in todo if not (args.results / job.stage / job.name / SUMMARY_FILE).exists()]
+        pending = [job for job in todo if not (args.results / job.stage / job.name / SUMMARY_FILE).exists() and args.stage in ("all", job.stage)]
         if not pending:
+            if args.stage not in ("all", *(job.stage for job in todo)):
+                raise SystemExit(f"--stage {args.stage}: the stages before it are not all published yet (see: python -m dpmuon.experiments.bc_fair list)")
             return 0
         print(f"bc_fair: {len(pending)} runs to do, {args.jobs} at a time", flush=True)
         run_jobs(pending, args.work, args.results, threads=1, parallel=args.jobs)
