@@ -79,7 +79,10 @@ def test_report_pairs_by_seed_with_a_t_interval(tmp_path):
     assert mean_ci(deltas) == f"{-0.04 / 3:+.4f} [{-0.04 / 3 - half:+.4f}, {-0.04 / 3 + half:+.4f}] (n = 3)"
     assert mean_ci(paired(runs, "dp_muonbc_matched", "dp_muon")) == "-0.1200 (n = 1)"
     assert mean_ci([]) == "not run yet"
-    assert "not run yet" in comparisons_markdown(tmp_path)  # the variants and the horizon
+    rows = {tuple(row[:2]): row[2:] for row in table_rows(comparisons_markdown(tmp_path))}
+    # NLL, BLEU and ROUGE-L of the same pairs (write_run's BLEU is 20.0 for every run, ROUGE-L none)
+    assert rows[("each at its best rate", "DP-MuonBC − DP-Muon")] == [mean_ci(deltas), "+0.0000 [+0.0000, +0.0000] (n = 3)", "not run yet"]
+    assert rows[("horizon (3 epochs)", "DP-MuonBC − DP-Muon")] == ["not run yet"] * 3
 
 
 def test_the_runner_restores_the_kept_public_model_and_refuses_another(tmp_path, monkeypatch):
