@@ -13,7 +13,7 @@ import pytest
 from helpers_runs import table_rows, write_run
 
 from dpmuon.experiments.bc_fair import CONTENDERS, PUBLISH_DIAGNOSTICS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
-from dpmuon.experiments.bc_fair_report import comparisons_markdown, load, mean_ci, oracle_markdown, paired, tuning_markdown, write_report
+from dpmuon.experiments.bc_fair_report import comparisons_markdown, horizon_markdown, load, mean_ci, oracle_markdown, paired, tuning_markdown, write_report
 
 
 def publish(results: Path, contender: str, lr: float, nll: float, seeds=SEEDS_TUNE) -> None:
@@ -159,3 +159,16 @@ def test_the_oracle_table_and_figure_come_from_the_finals_published_rows(tmp_pat
     written = write_report(tmp_path)
     assert [path.name for path in written] == ["fair.md", "paired_delta.png", "alignment_vs_snr.png"]
     assert all(path.stat().st_size > 0 for path in written)
+
+
+def test_the_horizon_table_reads_the_paired_curve_every_hundred_steps_and_at_the_end(tmp_path):
+    assert horizon_markdown(tmp_path).endswith("not run yet\n")
+    last = {SEEDS[0]: 493, SEEDS[1]: 493, SEEDS[2]: 475}  # one pair stopped early: its last step is not the others'
+    for seed in SEEDS:
+        for contender, shift in (("dp_muon", 0.0), ("dp_muonbc", 0.01 * seed)):
+            steps = [*range(25, last[seed], 25), last[seed]]
+            write_run(tmp_path / "horizon", f"{contender}_seed{seed}", [{"step": s, "val_nll": 3.0 - s / 1000 + shift * s / 100} for s in steps])
+    rows = {row[0]: row[1] for row in table_rows(horizon_markdown(tmp_path))}
+    assert [step for step in rows if step.isdigit()] == ["100", "200", "300", "400", "493"]
+    assert rows["200"] == mean_ci([0.02 * seed for seed in SEEDS])  # Δ = 0.01 · seed · step / 100
+    assert rows["493"] == mean_ci([0.01 * seed * 4.93 for seed in SEEDS[:2]])  # n = 2: the third pair ended at 475

@@ -3,7 +3,8 @@
     python -m dpmuon.experiments.bc_fair_report [results/bc_regime/fair]
 
 Writes `fair.md` next to the runs (every comparison paired by mechanism seed, with a t-based 95%
-confidence interval over seeds, and what the oracle saw in the finals), `paired_delta.png`
+confidence interval over seeds, the paired Δ along the long horizon, and what the oracle saw in
+the finals), `paired_delta.png`
 (paired Δ validation NLL, DP-MuonBC − DP-Muon, against step: one panel per setting) and
 `alignment_vs_snr.png` (the correction's single-draw and probe-averaged alignment gain against
 the true SNR, on the DP-Muon finals' trajectories). A cell that was not measured says so.
@@ -30,6 +31,7 @@ from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, VARIANTS, tuning_grid  #
 from .bc_regime_report import gain_figure  # noqa: E402
 
 NOT_RUN = "not run yet"
+HORIZON_TABLE_EVERY = 100
 _PNG_METADATA = {"Software": None}  # no matplotlib version stamp: reproducible files
 
 
@@ -185,12 +187,31 @@ def delta_curves(runs: dict[str, Run], bc: str, muon: str) -> dict[int, list[flo
     return curves
 
 
+def horizon_markdown(root: Path) -> str:
+    """Paired Δ validation NLL along the long runs, every HORIZON_TABLE_EVERY steps and at the
+    last step both runs of a pair evaluated: whether DP-MuonBC's gains come late."""
+    curves = delta_curves(load(root, "horizon"), "dp_muonbc", "dp_muon")
+    lines = [f"## Along the horizon ({HORIZON_EPOCHS} epochs): paired Δ validation NLL, DP-MuonBC − DP-Muon", ""]
+    if not curves:
+        return "\n".join([*lines, NOT_RUN]) + "\n"
+    lines += ["| step | Δ val NLL |", "|---|---|"]
+    for step in sorted(curves):
+        if step % HORIZON_TABLE_EVERY == 0 or step == max(curves):
+            lines.append(f"| {step} | {mean_ci(curves[step])} |")
+    return "\n".join(lines) + "\n"
+
+
 def delta_figure(root: Path, path: Path) -> None:
     finals, variants, horizon = load(root, "finals"), load(root, "variants"), load(root, "horizon")
     panels = [("each at its best rate", finals, "dp_muonbc", "dp_muon"), ("match_norm", finals, "dp_muonbc_matched", "dp_muon"),
-              *((v, variants, f"dp_muonbc_{v}", f"dp_muon_{v}") for v in VARIANTS), ("horizon", horizon, "dp_muonbc", "dp_muon")]  # fmt: skip
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3), sharey=True)
-    for ax, (title, runs, bc, muon) in zip(axes, panels):
+              *((v, variants, f"dp_muonbc_{v}", f"dp_muon_{v}") for v in VARIANTS),
+              ("s = one step's noise std", {**variants, **finals}, "dp_muonbc_stepstd", "dp_muon"), ("horizon", horizon, "dp_muonbc", "dp_muon")]  # fmt: skip
+    columns = 4
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.9 * rows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.remove()
+    for ax, (title, runs, bc, muon) in zip(axes.flat, panels):
         curves = delta_curves(runs, bc, muon)
         ax.axhline(0.0, color="black", linewidth=0.8)
         if curves:
@@ -203,7 +224,8 @@ def delta_figure(root: Path, path: Path) -> None:
             ax.text(0.5, 0.5, NOT_RUN, ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
-    axes[0].set_ylabel("Δ val NLL, DP-MuonBC − DP-Muon (paired)")
+    for row in axes:
+        row[0].set_ylabel("Δ val NLL (BC − Muon, paired)")
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata=_PNG_METADATA)
     plt.close(fig)
@@ -219,7 +241,8 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
         "From `python -m dpmuon.experiments.bc_fair_report`; runs from `python -m dpmuon.experiments.bc_fair run`.\n\n"
     )
     finals = load(root, "finals")
-    table.write_text(header + tuning_markdown(root) + "\n" + comparisons_markdown(root) + "\n" + oracle_markdown(finals))
+    sections = (tuning_markdown(root), comparisons_markdown(root), horizon_markdown(root), oracle_markdown(finals))
+    table.write_text(header + "\n".join(sections))
     delta_figure(root, figure)
     alignment_figure(finals, alignment)
     return [table, figure, alignment]
