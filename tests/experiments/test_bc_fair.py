@@ -166,7 +166,7 @@ def test_the_horizon_table_reads_the_paired_curve_every_hundred_steps_and_at_the
     last = {SEEDS[0]: 493, SEEDS[1]: 493, SEEDS[2]: 475}  # one pair stopped early: its last step is not the others'
     for seed in SEEDS:
         for contender, shift in (("dp_muon", 0.0), ("dp_muonbc", 0.01 * seed)):
-            steps = [*range(25, last[seed], 25), last[seed]]
+            steps = [*range(0, last[seed], 25), last[seed]]
             write_run(tmp_path / "horizon", f"{contender}_seed{seed}", [{"step": s, "val_nll": 3.0 - s / 1000 + shift * s / 100} for s in steps])
     rows = {row[0]: row[1] for row in table_rows(horizon_markdown(tmp_path))}
     assert [step for step in rows if step.isdigit()] == ["100", "200", "300", "400", "493"]
