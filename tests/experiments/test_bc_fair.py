@@ -34,13 +34,19 @@ def test_tuning_waits_for_every_run_then_extends_a_winning_edge(tmp_path):
 
 def test_later_stages_start_from_the_best_rates_paired_by_seed(tmp_path):
     assert {job.stage for job in jobs(tmp_path, lambda seed: seed)} == {"tune"}
+    best = {contender: RATES[1] if contender == "dp_muonbc" else RATES[2] for contender in CONTENDERS}
     for contender in CONTENDERS:
         for lr in RATES:
-            publish(tmp_path, contender, lr, nll=abs(lr - RATES[2]))  # the middle rate wins
+            publish(tmp_path, contender, lr, nll=abs(lr - best[contender]))
     todo = jobs(tmp_path, lambda seed: 100 + seed)
     finals = [job for job in todo if job.stage == "finals"]
-    assert len(finals) == len(CONTENDERS) * len(SEEDS)
-    assert all(f"optimizer.lr={RATES[2]:.6g}" in job.overrides for job in finals)
+    assert len(finals) == (len(CONTENDERS) + 1) * len(SEEDS)  # the contenders, then DP-MuonBC with split rates
+    for job in finals:  # each part at its contender's best rate; the split run's AdamW part at DP-Muon's
+        contender = "dp_muonbc" if job.name.startswith("dp_muonbc_split") else job.name.rsplit("_seed", 1)[0]
+        adam = best["dp_muon"] if job.name.startswith("dp_muonbc_split") else best[contender]
+        assert f"optimizer.lr={best[contender]:.6g}" in job.overrides and f"optimizer.adam.lr={adam:.6g}" in job.overrides
+    horizon = [job.name for job in todo if job.stage == "horizon"]
+    assert horizon == [f"{contender}_seed{seed}" for seed in SEEDS for contender in CONTENDERS]
     assert all(job.mechanism_seed == 100 + int(job.name[-1]) for job in todo if job.stage != "tune")
     # Fresh draws after tuning: a final on a tuning seed would repeat the run that picked its rate.
     assert not {int(job.name[-1]) for job in todo if job.stage != "tune"} & set(SEEDS_TUNE)
@@ -48,7 +54,7 @@ def test_later_stages_start_from_the_best_rates_paired_by_seed(tmp_path):
     assert [stage for stage, _ in itertools.groupby(job.stage for job in todo)] == ["tune", "finals", "variants", "horizon"]
     # Only what comes after tuning publishes its diagnostics (the finals' oracle among them).
     assert all((PUBLISH_DIAGNOSTICS in job.overrides) == (job.stage != "tune") for job in todo)
-    assert all(("logging.oracle_alignment=true" in job.overrides) == (job.stage == "finals") for job in todo)
+    assert all(("logging.oracle_alignment=true" in job.overrides) == (job.stage == "finals" and "split" not in job.name) for job in todo)
     assert all("privacy.constant_time=false" in job.overrides for job in todo)
 
 
@@ -126,7 +132,7 @@ def test_run_stage_runs_only_that_stage_once_its_inputs_are_in(tmp_path, monkeyp
         for lr in RATES:
             publish(tmp_path, contender, lr, nll=abs(lr - RATES[2]))
     assert bc_fair.main([*args, "--stage", "horizon"]) == 0
-    assert {job.stage for job in ran} == {"horizon"} and len(ran) == 2 * len(SEEDS)
+    assert {job.stage for job in ran} == {"horizon"} and len(ran) == len(CONTENDERS) * len(SEEDS)
     assert not (tmp_path / "finals").exists()
 
 
@@ -168,7 +174,25 @@ def test_the_horizon_table_reads_the_paired_curve_every_hundred_steps_and_at_the
         for contender, shift in (("dp_muon", 0.0), ("dp_muonbc", 0.01 * seed)):
             steps = [*range(0, last[seed], 25), last[seed]]
             write_run(tmp_path / "horizon", f"{contender}_seed{seed}", [{"step": s, "val_nll": 3.0 - s / 1000 + shift * s / 100} for s in steps])
-    rows = {row[0]: row[1] for row in table_rows(horizon_markdown(tmp_path))}
+    rows = {row[0]: row[1:] for row in table_rows(horizon_markdown(tmp_path))}
+    assert rows["step"][:2] == ["DP-MuonBC − DP-Muon", "DP-MuonBC (match_norm) − DP-Muon"]
     assert [step for step in rows if step.isdigit()] == ["100", "200", "300", "400", "493"]
+    assert rows["100"][1] == "not run yet"  # no norm-matched run
+    rows = {step: cells[0] for step, cells in rows.items()}
     assert rows["200"] == mean_ci([0.02 * seed for seed in SEEDS])  # Δ = 0.01 · seed · step / 100
     assert rows["493"] == mean_ci([0.01 * seed * 4.93 for seed in SEEDS[:2]])  # n = 2: the third pair ended at 475
+
+
+def test_the_split_rates_row_and_each_arms_step_length_ratio(tmp_path):
+    for seed, (bc, split, muon) in zip(SEEDS, [(0.56, 0.50, 0.51), (0.66, 0.61, 0.60), (0.50, 0.45, 0.47)]):
+        ratios = [{"step": step, "update_norm_ratio_median": 1.3 + 0.1 * (seed - SEEDS[0]) + 0.01 * step} for step in (1, 2, 3)]
+        write_run(tmp_path / "finals", f"dp_muonbc_seed{seed}", ratios, test_nll=bc)
+        write_run(tmp_path / "finals", f"dp_muonbc_split_seed{seed}", test_nll=split)
+        write_run(tmp_path / "finals", f"dp_muon_seed{seed}", test_nll=muon)
+    table = comparisons_markdown(tmp_path)
+    rows = {tuple(row[:2]): row[2] for row in table_rows(table)}
+    assert rows[("AdamW part at DP-Muon's rate", "DP-MuonBC (split rates) − DP-Muon")] == mean_ci([-0.01, 0.01, -0.02])
+    assert rows[("AdamW part at DP-Muon's rate", "DP-MuonBC − DP-MuonBC (split rates)")] == mean_ci([0.06, 0.05, 0.05])
+    # Per seed the median over steps (1.32, 1.42, 1.52), then over seeds; an arm without runs says so.
+    assert f"- each at its best rate: {mean_ci([1.32, 1.42, 1.52]).replace('+', '')}" in table
+    assert "- horizon (3 epochs): not run yet" in table

@@ -14,12 +14,17 @@ previous one's published results:
    the grid's edge extends the grid by one rate past it.
 2. finals: each at its best rate (lowest mean validation NLL), on seeds 2–4 (fresh draws: not
    the runs that selected the rate), oracle diagnostics on
-   (published in metrics.jsonl, as every later stage's diagnostics are).
+   (published in metrics.jsonl, as every later stage's diagnostics are). Tuning shares one rate
+   between the Muon part and the AdamW part (embeddings, biases, norms), so DP-MuonBC's lower
+   best rate also slows its AdamW part: `dp_muonbc_split` runs its Muon part at its own best rate
+   and its AdamW part at DP-Muon's, which separates the two.
 3. variants: at the best rates, DP-MuonBC against DP-Muon under the same variant
    (classical Newton–Schulz with Frobenius and max(1, ‖M‖_F) scaling, Nesterov), and
    DP-MuonBC with s = one step's noise std, seeds 2–4.
-4. horizon: the best DP-Muon and DP-MuonBC for HORIZON_EPOCHS epochs (σ recalibrated for ε = 8
-   over that plan), seeds 2–4.
+4. horizon: the best DP-Muon, DP-MuonBC and DP-MuonBC with `match_norm` for HORIZON_EPOCHS
+   epochs (σ recalibrated for ε = 8 over that plan), seeds 2–4. The norm-matched arm has
+   DP-Muon's step lengths and AdamW rate, so against DP-Muon it isolates the correction's
+   direction, and against DP-MuonBC the rates.
 
 Runs of one seed index share one mechanism seed (the same lots and noise for every optimizer: a
 paired comparison), drawn once from OS entropy. The study spans many working sessions, and a
@@ -77,12 +82,13 @@ STEP_STD = ("optimizer.bias_correction.noise_std=step",)  # DP-MuonBC only: agai
 PUBLISH_DIAGNOSTICS = "logging.nonprivate_diagnostics=publish"
 
 
-def overrides(contender: str, lr: float, seed: int, *extra: str) -> tuple[str, ...]:
+def overrides(contender: str, lr: float, seed: int, *extra: str, adam_lr: float | None = None) -> tuple[str, ...]:
+    """A run's overrides: the AdamW part at `lr` too, unless `adam_lr` says otherwise."""
     return (
         "experiment=pretrained_tiny_e2e",
         *CONTENDERS[contender],
         f"optimizer.lr={lr:.6g}",
-        f"optimizer.adam.lr={lr:.6g}",
+        f"optimizer.adam.lr={lr if adam_lr is None else adam_lr:.6g}",
         "privacy.target_epsilon=8",
         # Constant-time lots hide the lot sizes from step times; these runs publish their
         # mechanism seeds (the lots themselves), so there is nothing left to hide, and padding
@@ -144,6 +150,9 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
     for seed in SEEDS:
         for contender in CONTENDERS:
             out.append(Job(f"{contender}_seed{seed}", "finals", after_tuning(contender, seed, "logging.oracle_alignment=true"), mechanism_seed(seed)))
+    for seed in SEEDS:  # the split rates (see the docstring), after the contenders' finals
+        split = overrides("dp_muonbc", best["dp_muonbc"], seed, PUBLISH_DIAGNOSTICS, adam_lr=best["dp_muon"])
+        out.append(Job(f"dp_muonbc_split_seed{seed}", "finals", split, mechanism_seed(seed)))
     for seed in SEEDS:
         secret = mechanism_seed(seed)
         for variant, extra in VARIANTS.items():
@@ -152,7 +161,7 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
         out.append(Job(f"dp_muonbc_stepstd_seed{seed}", "variants", after_tuning("dp_muonbc", seed, *STEP_STD), secret))
     horizon = ("trainer.steps=null", f"trainer.epochs={HORIZON_EPOCHS}", "trainer.eval_every=25", "trainer.checkpoint_every=25")
     for seed in SEEDS:
-        for contender in ("dp_muon", "dp_muonbc"):
+        for contender in CONTENDERS:
             out.append(Job(f"{contender}_seed{seed}", "horizon", after_tuning(contender, seed, *horizon), mechanism_seed(seed)))
     return out
 

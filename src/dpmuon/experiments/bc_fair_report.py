@@ -32,6 +32,13 @@ from .bc_regime_report import gain_figure  # noqa: E402
 
 NOT_RUN = "not run yet"
 HORIZON_TABLE_EVERY = 100
+# The horizon's pairs: what, the runs' names before _seed. The norm-matched arm has DP-Muon's step
+# lengths and AdamW rate: against DP-Muon, the correction's direction; against DP-MuonBC, the rates.
+HORIZON_COMPARISONS = (
+    ("DP-MuonBC − DP-Muon", "dp_muonbc", "dp_muon"),
+    ("DP-MuonBC (match_norm) − DP-Muon", "dp_muonbc_matched", "dp_muon"),
+    ("DP-MuonBC − DP-MuonBC (match_norm)", "dp_muonbc", "dp_muonbc_matched"),
+)
 _PNG_METADATA = {"Software": None}  # no matplotlib version stamp: reproducible files
 
 
@@ -92,22 +99,35 @@ def comparisons_markdown(root: Path) -> str:
         ("each at its best rate", "DP-MuonBC − DP-Muon", finals, "dp_muonbc", "dp_muon"),
         ("each at its best rate", "DP-MuonBC (match_norm) − DP-Muon", finals, "dp_muonbc_matched", "dp_muon"),
         ("each at its best rate", "DP-MuonBC − DP-MuonBC (match_norm)", finals, "dp_muonbc", "dp_muonbc_matched"),
+        ("AdamW part at DP-Muon's rate", "DP-MuonBC (split rates) − DP-Muon", finals, "dp_muonbc_split", "dp_muon"),
+        ("AdamW part at DP-Muon's rate", "DP-MuonBC − DP-MuonBC (split rates)", finals, "dp_muonbc", "dp_muonbc_split"),
         *((f"variant {v}", "DP-MuonBC − DP-Muon", variants, f"dp_muonbc_{v}", f"dp_muon_{v}") for v in VARIANTS),
         ("s = one step's noise std", "DP-MuonBC − DP-Muon (finals)", both, "dp_muonbc_stepstd", "dp_muon"),
-        (f"horizon ({HORIZON_EPOCHS} epochs)", "DP-MuonBC − DP-Muon", horizon, "dp_muonbc", "dp_muon"),
+        *((f"horizon ({HORIZON_EPOCHS} epochs)", what, horizon, bc, muon) for what, bc, muon in HORIZON_COMPARISONS),
     ]
     lines = ["## Paired Δ on the test set (same mechanism seed; mean [95% t-interval over seeds])", "",
              "| setting | comparison | Δ NLL | Δ BLEU | Δ ROUGE-L |", "|---|---|---|---|---|"]  # fmt: skip
     for setting, what, runs, bc, muon in rows:
         cells = [mean_ci(paired(runs, bc, muon, key)) for key in ("test_nll", "bleu", "rouge_l")]
         lines.append(f"| {setting} | {what} | " + " | ".join(cells) + " |")
-    ratios = []  # per DP-MuonBC final: its median over steps of the median over matrices
-    for name, run in finals.items():
-        per_step = [r["update_norm_ratio_median"] for r in run.load_metrics() if r.get("update_norm_ratio_median") is not None]
-        if name.startswith("dp_muonbc_seed") and per_step:
-            ratios.append(statistics.median(per_step))
-    lines += ["", f"Median step-length ratio ‖F_BC(M)‖/‖F(M)‖ of the DP-MuonBC finals: {mean_ci(ratios).replace('+', '')}."]
+    lines += ["", "Step-length ratio ‖F_BC(M)‖/‖F(M)‖ of DP-MuonBC (per run: median over steps of the median over matrices; "
+              "mean [95% t-interval] over seeds):", ""]  # fmt: skip
+    arms = [("each at its best rate", finals, "dp_muonbc"), *((f"variant {v}", variants, f"dp_muonbc_{v}") for v in VARIANTS),
+            ("s = one step's noise std", variants, "dp_muonbc_stepstd"), (f"horizon ({HORIZON_EPOCHS} epochs)", horizon, "dp_muonbc")]  # fmt: skip
+    for setting, runs, bc in arms:
+        lines.append(f"- {setting}: {mean_ci(step_length_ratios(runs, bc)).replace('+', '')}")
     return "\n".join(lines) + "\n"
+
+
+def step_length_ratios(runs: dict[str, Run], bc: str) -> list[float]:
+    """Per seed of `bc`: the median over steps of its logged median over matrices."""
+    out = []
+    for seed in SEEDS:
+        run = runs.get(f"{bc}_seed{seed}")
+        per_step = [r["update_norm_ratio_median"] for r in run.load_metrics() if r.get("update_norm_ratio_median") is not None] if run else []
+        if per_step:
+            out.append(statistics.median(per_step))
+    return out
 
 
 def oracle_rows(run: Run) -> list[dict]:
@@ -189,25 +209,29 @@ def delta_curves(runs: dict[str, Run], bc: str, muon: str) -> dict[int, list[flo
 
 def horizon_markdown(root: Path) -> str:
     """Paired Δ validation NLL along the long runs, every HORIZON_TABLE_EVERY steps and at the
-    last step both runs of a pair evaluated: whether DP-MuonBC's gains come late."""
-    curves = delta_curves(load(root, "horizon"), "dp_muonbc", "dp_muon")
-    lines = [f"## Along the horizon ({HORIZON_EPOCHS} epochs): paired Δ validation NLL, DP-MuonBC − DP-Muon", ""]
-    if not curves:
+    last step a pair evaluated: whether DP-MuonBC's gains come late, and from what."""
+    horizon = load(root, "horizon")
+    curves = [delta_curves(horizon, bc, muon) for _, bc, muon in HORIZON_COMPARISONS]
+    # Both runs of a pair start from one model: Δ is 0 at step 0 by construction.
+    steps = sorted({step for c in curves for step in c if step > 0})
+    lines = [f"## Along the horizon ({HORIZON_EPOCHS} epochs): paired Δ validation NLL", ""]
+    if not steps:
         return "\n".join([*lines, NOT_RUN]) + "\n"
-    lines += ["| step | Δ val NLL |", "|---|---|"]
-    for step in sorted(curves):
-        # Both runs of a pair start from one model: Δ is 0 at step 0 by construction.
-        if step > 0 and (step % HORIZON_TABLE_EVERY == 0 or step == max(curves)):
-            lines.append(f"| {step} | {mean_ci(curves[step])} |")
+    lines += ["| step | " + " | ".join(what for what, _, _ in HORIZON_COMPARISONS) + " |", "|---|" + "---|" * len(curves)]
+    for step in steps:
+        if step % HORIZON_TABLE_EVERY == 0 or step == steps[-1]:
+            lines.append(f"| {step} | " + " | ".join(mean_ci(c.get(step, [])) for c in curves) + " |")
     return "\n".join(lines) + "\n"
 
 
 def delta_figure(root: Path, path: Path) -> None:
     finals, variants, horizon = load(root, "finals"), load(root, "variants"), load(root, "horizon")
     panels = [("each at its best rate", finals, "dp_muonbc", "dp_muon"), ("match_norm", finals, "dp_muonbc_matched", "dp_muon"),
+              ("AdamW part at DP-Muon's rate", finals, "dp_muonbc_split", "dp_muon"),
               *((v, variants, f"dp_muonbc_{v}", f"dp_muon_{v}") for v in VARIANTS),
-              ("s = one step's noise std", {**variants, **finals}, "dp_muonbc_stepstd", "dp_muon"), ("horizon", horizon, "dp_muonbc", "dp_muon")]  # fmt: skip
-    columns = 4
+              ("s = one step's noise std", {**variants, **finals}, "dp_muonbc_stepstd", "dp_muon"),
+              ("horizon", horizon, "dp_muonbc", "dp_muon"), ("horizon, match_norm", horizon, "dp_muonbc_matched", "dp_muon")]  # fmt: skip
+    columns = 5
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(3.4 * columns, 2.9 * rows), sharey=True, squeeze=False)
     for ax in axes.flat[len(panels) :]:
