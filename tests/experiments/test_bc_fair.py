@@ -136,6 +136,21 @@ def test_run_stage_runs_only_that_stage_once_its_inputs_are_in(tmp_path, monkeyp
     assert not (tmp_path / "finals").exists()
 
 
+def test_a_runner_stops_when_another_holds_every_run_left(tmp_path, monkeypatch):
+    """Two runners share one job list; the one left with only the other's runs must stop, not
+    loop on them (a skipped job is not published, so it stays pending)."""
+    from dpmuon.experiments import bc_fair
+
+    passes = []
+    monkeypatch.setattr(bc_fair, "public_model", lambda results: None)
+    monkeypatch.setattr(bc_fair, "run_jobs", lambda pending, *a, **k: passes.append(len(pending)))
+    for contender in CONTENDERS:
+        for lr in RATES:
+            publish(tmp_path, contender, lr, nll=abs(lr - RATES[2]))
+    assert bc_fair.main(["run", "--stage", "horizon", "--results", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
+    assert passes == [len(CONTENDERS) * len(SEEDS)]
+
+
 def oracle_row(step: int, snr: float, single: float, averaged: float, ratio: float) -> dict:
     matrices = ("a", "b")
     return {

@@ -229,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"bc_fair: {len(pending)} runs to do, {args.jobs} at a time", flush=True)
         run_jobs(pending, args.work, args.results, threads=1, parallel=args.jobs)
+        # A job another runner holds is skipped, not published: without this check a runner
+        # whose only pending jobs are held by another would loop on them at full speed.
+        if not any((args.results / job.stage / job.name / SUMMARY_FILE).exists() for job in pending):
+            print("bc_fair: the runs left are held by another runner", flush=True)
+            return 0
 
 
 if __name__ == "__main__":
