@@ -13,7 +13,17 @@ import pytest
 from helpers_runs import table_rows, write_run
 
 from dpmuon.experiments.bc_fair import CONTENDERS, PUBLISH_DIAGNOSTICS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
-from dpmuon.experiments.bc_fair_report import comparisons_markdown, horizon_markdown, load, mean_ci, oracle_markdown, paired, tuning_markdown, write_report
+from dpmuon.experiments.bc_fair_report import (
+    comparisons_markdown,
+    gap_changes_markdown,
+    horizon_markdown,
+    load,
+    mean_ci,
+    oracle_markdown,
+    paired,
+    tuning_markdown,
+    write_report,
+)
 
 
 def publish(results: Path, contender: str, lr: float, nll: float, seeds=SEEDS_TUNE) -> None:
@@ -45,6 +55,12 @@ def test_later_stages_start_from_the_best_rates_paired_by_seed(tmp_path):
         contender = "dp_muonbc" if job.name.startswith("dp_muonbc_split") else job.name.rsplit("_seed", 1)[0]
         adam = best["dp_muon"] if job.name.startswith("dp_muonbc_split") else best[contender]
         assert f"optimizer.lr={best[contender]:.6g}" in job.overrides and f"optimizer.adam.lr={adam:.6g}" in job.overrides
+    # s = one step's noise std at both optimizers' best rates: the weak correction's fair rate is DP-Muon's.
+    for rate, name in ((best["dp_muonbc"], "dp_muonbc_stepstd"), (best["dp_muon"], "dp_muonbc_stepstd_muonrate")):
+        runs = [job for job in todo if job.name.rsplit("_seed", 1)[0] == name]
+        assert len(runs) == len(SEEDS)
+        expected = {f"optimizer.lr={rate:.6g}", f"optimizer.adam.lr={rate:.6g}", "optimizer=dp_muonbc", "optimizer.bias_correction.noise_std=step"}
+        assert all(expected <= set(job.overrides) for job in runs)
     horizon = [job.name for job in todo if job.stage == "horizon"]
     assert horizon == [f"{contender}_seed{seed}" for seed in SEEDS for contender in CONTENDERS]
     assert all(job.mechanism_seed == 100 + int(job.name[-1]) for job in todo if job.stage != "tune")
@@ -134,6 +150,21 @@ def test_run_stage_runs_only_that_stage_once_its_inputs_are_in(tmp_path, monkeyp
     assert bc_fair.main([*args, "--stage", "horizon"]) == 0
     assert {job.stage for job in ran} == {"horizon"} and len(ran) == len(CONTENDERS) * len(SEEDS)
     assert not (tmp_path / "finals").exists()
+
+
+def test_a_variants_change_in_the_gap_is_paired_by_seed_against_the_default(tmp_path):
+    """Δ under the variant minus the finals' Δ of the same seed; a seed missing either is left out."""
+    for seed, (bc, muon, bc_v, muon_v) in zip(SEEDS, [(0.56, 0.50, 0.53, 0.50), (0.66, 0.60, 0.61, 0.58), (0.50, 0.45, 0.49, 0.47)]):
+        write_run(tmp_path / "finals", f"dp_muonbc_seed{seed}", test_nll=bc)
+        write_run(tmp_path / "finals", f"dp_muon_seed{seed}", test_nll=muon)
+        write_run(tmp_path / "variants", f"dp_muonbc_nesterov_seed{seed}", test_nll=bc_v)
+        write_run(tmp_path / "variants", f"dp_muon_nesterov_seed{seed}", test_nll=muon_v)
+        if seed != SEEDS[2]:
+            write_run(tmp_path / "variants", f"dp_muonbc_stepstd_seed{seed}", test_nll=bc - 0.01 * (seed - 1))
+    rows = {row[0]: row[1:] for row in table_rows(gap_changes_markdown(tmp_path))}
+    assert rows["variant nesterov"][0] == mean_ci([0.03 - 0.06, 0.03 - 0.06, 0.02 - 0.05])
+    assert rows["s = one step's noise std"][0] == mean_ci([-0.01, -0.02])  # against DP-Muon's final: bc_v − bc
+    assert rows["variant series2"] == ["not run yet"] * 3
 
 
 def test_a_runner_stops_when_another_holds_every_run_left(tmp_path, monkeypatch):

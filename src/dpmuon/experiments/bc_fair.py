@@ -20,7 +20,10 @@ previous one's published results:
    and its AdamW part at DP-Muon's, which separates the two.
 3. variants: at the best rates, DP-MuonBC against DP-Muon under the same variant
    (classical Newton–Schulz with Frobenius and max(1, ‖M‖_F) scaling, Nesterov), and
-   DP-MuonBC with s = one step's noise std, seeds 2–4.
+   DP-MuonBC with s = one step's noise std, seeds 2–4. That correction is far weaker (its steps
+   are ~1.07× F(M)'s, not 1.39×), so at DP-MuonBC's best rate it is nearly DP-Muon at a √2
+   lower rate; `dp_muonbc_stepstd_muonrate` runs it at DP-Muon's best rate as well, where its
+   steps and AdamW part are as fast as DP-Muon's.
 4. horizon: the best DP-Muon, DP-MuonBC and DP-MuonBC with `match_norm` for HORIZON_EPOCHS
    epochs (σ recalibrated for ε = 8 over that plan), seeds 2–4. The norm-matched arm has
    DP-Muon's step lengths and AdamW rate, so against DP-Muon it isolates the correction's
@@ -159,6 +162,8 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
             for contender in ("dp_muon", "dp_muonbc"):
                 out.append(Job(f"{contender}_{variant}_seed{seed}", "variants", after_tuning(contender, seed, *extra), secret))
         out.append(Job(f"dp_muonbc_stepstd_seed{seed}", "variants", after_tuning("dp_muonbc", seed, *STEP_STD), secret))
+        at_muon_rate = overrides("dp_muonbc", best["dp_muon"], seed, *STEP_STD, PUBLISH_DIAGNOSTICS)
+        out.append(Job(f"dp_muonbc_stepstd_muonrate_seed{seed}", "variants", at_muon_rate, secret))
     horizon = ("trainer.steps=null", f"trainer.epochs={HORIZON_EPOCHS}", "trainer.eval_every=25", "trainer.checkpoint_every=25")
     for seed in SEEDS:
         for contender in CONTENDERS:

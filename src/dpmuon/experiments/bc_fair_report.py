@@ -39,6 +39,7 @@ HORIZON_COMPARISONS = (
     ("DP-MuonBC (match_norm) − DP-Muon", "dp_muonbc_matched", "dp_muon"),
     ("DP-MuonBC − DP-MuonBC (match_norm)", "dp_muonbc", "dp_muonbc_matched"),
 )
+STEP_STD_AT_MUON_RATE = "s = one step's noise std, at DP-Muon's rate"
 _PNG_METADATA = {"Software": None}  # no matplotlib version stamp: reproducible files
 
 
@@ -57,14 +58,18 @@ def mean_ci(values: list[float]) -> str:
     return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (n = {len(values)})"
 
 
-def paired(runs: dict[str, Run], bc: str, muon: str, key: str = "test_nll") -> list[float]:
-    """BC − Muon of `key` over the seeds where both runs have it (same seed: same lots and noise)."""
-    deltas = []
+def paired_by_seed(runs: dict[str, Run], bc: str, muon: str, key: str = "test_nll") -> dict[int, float]:
+    """Seed → BC − Muon of `key`, for the seeds where both runs have it (same seed: same lots and noise)."""
+    deltas = {}
     for seed in SEEDS:
         a, b = runs.get(f"{bc}_seed{seed}"), runs.get(f"{muon}_seed{seed}")
         if a is not None and b is not None and None not in (a.summary.get(key), b.summary.get(key)):
-            deltas.append(a.summary[key] - b.summary[key])
+            deltas[seed] = a.summary[key] - b.summary[key]
     return deltas
+
+
+def paired(runs: dict[str, Run], bc: str, muon: str, key: str = "test_nll") -> list[float]:
+    return list(paired_by_seed(runs, bc, muon, key).values())
 
 
 def tuning_markdown(root: Path) -> str:
@@ -103,6 +108,7 @@ def comparisons_markdown(root: Path) -> str:
         ("AdamW part at DP-Muon's rate", "DP-MuonBC − DP-MuonBC (split rates)", finals, "dp_muonbc", "dp_muonbc_split"),
         *((f"variant {v}", "DP-MuonBC − DP-Muon", variants, f"dp_muonbc_{v}", f"dp_muon_{v}") for v in VARIANTS),
         ("s = one step's noise std", "DP-MuonBC − DP-Muon (finals)", both, "dp_muonbc_stepstd", "dp_muon"),
+        (STEP_STD_AT_MUON_RATE, "DP-MuonBC − DP-Muon (finals)", both, "dp_muonbc_stepstd_muonrate", "dp_muon"),
         *((f"horizon ({HORIZON_EPOCHS} epochs)", what, horizon, bc, muon) for what, bc, muon in HORIZON_COMPARISONS),
     ]
     lines = ["## Paired Δ on the test set (same mechanism seed; mean [95% t-interval over seeds])", "",
@@ -113,9 +119,30 @@ def comparisons_markdown(root: Path) -> str:
     lines += ["", "Step-length ratio ‖F_BC(M)‖/‖F(M)‖ of DP-MuonBC (per run: median over steps of the median over matrices; "
               "mean [95% t-interval] over seeds):", ""]  # fmt: skip
     arms = [("each at its best rate", finals, "dp_muonbc"), *((f"variant {v}", variants, f"dp_muonbc_{v}") for v in VARIANTS),
-            ("s = one step's noise std", variants, "dp_muonbc_stepstd"), (f"horizon ({HORIZON_EPOCHS} epochs)", horizon, "dp_muonbc")]  # fmt: skip
+            ("s = one step's noise std", variants, "dp_muonbc_stepstd"), (STEP_STD_AT_MUON_RATE, variants, "dp_muonbc_stepstd_muonrate"),
+            (f"horizon ({HORIZON_EPOCHS} epochs)", horizon, "dp_muonbc")]  # fmt: skip
     for setting, runs, bc in arms:
         lines.append(f"- {setting}: {mean_ci(step_length_ratios(runs, bc)).replace('+', '')}")
+    return "\n".join(lines) + "\n"
+
+
+def gap_changes_markdown(root: Path) -> str:
+    """How far each variant run at DP-MuonBC's best rate moves the finals' paired gap: per seed,
+    its Δ minus the default's Δ on that seed. What the variant and the default share (the rates,
+    the AdamW part's among them) cancels."""
+    finals, variants = load(root, "finals"), load(root, "variants")
+    rows = [*((f"variant {v}", variants, f"dp_muonbc_{v}", f"dp_muon_{v}") for v in VARIANTS),
+            ("s = one step's noise std", {**variants, **finals}, "dp_muonbc_stepstd", "dp_muon")]  # fmt: skip
+    lines = ["## What each variant changes in the gap (its paired Δ − the default's, same seed; mean [95% t-interval])", "",
+             "The variants run at the finals' rates (DP-MuonBC's best, DP-Muon's best), so against \"each at its best rate\" "
+             "only the variant differs; a negative change in NLL means the variant narrows DP-MuonBC's gap.", "",
+             "| setting | change in Δ NLL | change in Δ BLEU | change in Δ ROUGE-L |", "|---|---|---|---|"]  # fmt: skip
+    for setting, runs, bc, muon in rows:
+        cells = []
+        for key in ("test_nll", "bleu", "rouge_l"):
+            default, variant = paired_by_seed(finals, "dp_muonbc", "dp_muon", key), paired_by_seed(runs, bc, muon, key)
+            cells.append(mean_ci([variant[seed] - default[seed] for seed in variant if seed in default]))
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -230,6 +257,7 @@ def delta_figure(root: Path, path: Path) -> None:
               ("AdamW part at DP-Muon's rate", finals, "dp_muonbc_split", "dp_muon"),
               *((v, variants, f"dp_muonbc_{v}", f"dp_muon_{v}") for v in VARIANTS),
               ("s = one step's noise std", {**variants, **finals}, "dp_muonbc_stepstd", "dp_muon"),
+              (STEP_STD_AT_MUON_RATE, {**variants, **finals}, "dp_muonbc_stepstd_muonrate", "dp_muon"),
               ("horizon", horizon, "dp_muonbc", "dp_muon"), ("horizon, match_norm", horizon, "dp_muonbc_matched", "dp_muon")]  # fmt: skip
     columns = 5
     rows = math.ceil(len(panels) / columns)
@@ -266,7 +294,7 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
         "From `python -m dpmuon.experiments.bc_fair_report`; runs from `python -m dpmuon.experiments.bc_fair run`.\n\n"
     )
     finals = load(root, "finals")
-    sections = (tuning_markdown(root), comparisons_markdown(root), horizon_markdown(root), oracle_markdown(finals))
+    sections = (tuning_markdown(root), comparisons_markdown(root), gap_changes_markdown(root), horizon_markdown(root), oracle_markdown(finals))
     table.write_text(header + "\n".join(sections))
     delta_figure(root, figure)
     alignment_figure(finals, alignment)
