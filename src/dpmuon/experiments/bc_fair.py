@@ -171,6 +171,10 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
     return out
 
 
+def is_published(results: Path, job: Job) -> bool:
+    return (results / job.stage / job.name / SUMMARY_FILE).exists()
+
+
 def public_model(results: Path) -> None:
     """The public model every run starts from, kept beside the runs: a rebuild can be another
     model (later code changes its weights), and a working session keeps nothing but the
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "list":
         todo = jobs(args.results, lambda seed: None)
-        published = {job for job in todo if (args.results / job.stage / job.name / SUMMARY_FILE).exists()}
+        published = {job for job in todo if is_published(args.results, job)}
         for job in todo:
             print("done " if job in published else "to do", job.stage, job.name, " ".join(job.overrides))
         for stage in dict.fromkeys(job.stage for job in todo):
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = MechanismSeeds(args.results / SEEDS_FILE)
     while True:  # a stage's results unlock the next one's jobs
         todo = jobs(args.results, seeds)
-        pending = [job for job in todo if not (args.results / job.stage / job.name / SUMMARY_FILE).exists() and args.stage in ("all", job.stage)]
+        pending = [job for job in todo if not is_published(args.results, job) and args.stage in ("all", job.stage)]
         if not pending:
             if args.stage not in ("all", *(job.stage for job in todo)):
                 raise SystemExit(f"--stage {args.stage}: the stages before it are not all published yet (see: python -m dpmuon.experiments.bc_fair list)")
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         run_jobs(pending, args.work, args.results, threads=1, parallel=args.jobs)
         # A job another runner holds is skipped, not published: without this check a runner
         # whose only pending jobs are held by another would loop on them at full speed.
-        if not any((args.results / job.stage / job.name / SUMMARY_FILE).exists() for job in pending):
+        if not any(is_published(args.results, job) for job in pending):
             print("bc_fair: the runs left are held by another runner", flush=True)
             return 0
 
