@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 .PHONY: help setup lint test test-slow docs data smoke bench-bias bench-step audit audit-table audit-full audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu results-smollm2
 
 help: ## List every target with one line each
-	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_/-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
 
 setup: ## Create .venv/ and install dpmuon (editable) with the dev extra
 	$(PY) -m venv $(VENV)
@@ -100,5 +100,5 @@ audit-full: ## The larger embedding-canary audit (10⁵ canaries, 5 seeds, Opacu
 	@mkdir -p results/audit
 	$(PYTHON) -m dpmuon.audit.cli --mode full --json results/audit/audit.json --markdown results/audit/table.md
 
-audit-quick: ## The CI-sized audit (~1.5 min): every block type, per-block noise, Linear norms ÷ 10, lots at 2q, noise ÷ 2, ÷ 10, clipping off
-	$(PYTHON) -m dpmuon.audit.cli --mode quick
+audit-quick: ## The CI-sized audit (~1.5 min): every block type, per-block noise, Linear norms ÷ 10, lots at 2q, noise × 0.8, ÷ 2, ÷ 10, noise or lot reused every step, clipping off (MUTATION=name: that one alone)
+	$(PYTHON) -m dpmuon.audit.cli --mode quick $(if $(MUTATION),--mutation $(MUTATION))

@@ -24,6 +24,7 @@ from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm, per_example_lm_l
 
 HERE = Path(__file__).resolve().parent
 SEPARATOR = " => "
+MAX_TOKENS = 256  # longer examples are left out; every micro-batch is this wide (public: not taken from the data)
 
 
 class ByteTokenizer:
@@ -66,11 +67,12 @@ def read_examples(path: Path, source_key: str, target_key: str, tokenizer, max_t
     return examples
 
 
-def collate(pad_id: int):
-    """Right-pad one micro-batch to its longest example; padding is masked and carries no loss."""
+def collate(pad_id: int, width: int):
+    """Right-pad one micro-batch to `width` tokens; padding is masked and carries no loss. One
+    width for every micro-batch, not its longest example's: with constant-time lots (the default)
+    a wider micro-batch would take longer, and step times would tell how long a lot's examples are."""
 
     def collate_fn(examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-        width = max(len(e["input_ids"]) for e in examples)
         ids = torch.full((len(examples), width), pad_id)
         labels = torch.full((len(examples), width), IGNORE_INDEX)
         mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -98,14 +100,14 @@ def main() -> None:
 
     torch.manual_seed(0)  # the model's initial weights (public); the lots and the noise are secret
     tokenizer = load_tokenizer()
-    examples = read_examples(args.data, args.source_key, args.target_key, tokenizer, max_tokens=256)
-    model = build_random_lm("gpt2", Shape(len(tokenizer), n_layer=2, n_embd=64, n_head=2, n_positions=256))
+    examples = read_examples(args.data, args.source_key, args.target_key, tokenizer, max_tokens=MAX_TOKENS)
+    model = build_random_lm("gpt2", Shape(len(tokenizer), n_layer=2, n_embd=64, n_head=2, n_positions=MAX_TOKENS))
     model.train()
 
     private = dpmuon.make_private(
         model,
         examples,
-        collate(tokenizer.pad_token_id),
+        collate(tokenizer.pad_token_id, MAX_TOKENS),
         per_example_lm_loss,
         target_epsilon=args.epsilon,
         delta=1 / (10 * len(examples)),  # well below 1/N
@@ -118,13 +120,18 @@ def main() -> None:
         dataset_name=args.data.stem,
     )
     optimizer = dpmuon.optim.build(args.optimizer, model, private, lr=args.lr)
-    for lot in private.lots():
-        private.release(lot)  # p.grad := the private release of this lot
+    trained = 0
+    for lot in private.lots():  # none when --run-dir already holds the plan's releases (it says so)
+        private.release(lot)  # p.grad := the private release of this lot (an empty lot too: noise only)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        trained += 1
     private.close()
-    plan = private.plan
-    print(f"trained {plan.steps} private steps on {len(examples)} examples: σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4f}")
+    plan, charged = private.plan, private.mechanism.release.accountant.steps
+    print(
+        f"trained {trained} private steps in this run ({charged} of the plan's {plan.steps} in the ledger) on {len(examples)} examples: "
+        f"σ={plan.noise_multiplier:.3f}, q={plan.sample_rate:.4f}"
+    )
     print(f"epsilon = {private.epsilon:.4f} (target {plan.target_epsilon:g}, delta {plan.delta:.3g}); ledger: {private.ledger_path}")
 
 

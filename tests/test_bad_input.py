@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import subprocess
 import sys
+import time
+from urllib.parse import urlsplit
 
 import pytest
 from helpers_train import compose_config, require_real_data
@@ -190,3 +194,91 @@ def test_an_unreadable_data_file_is_named_with_the_key_that_locates_it(tmp_path,
     monkeypatch.setattr(loop, "prepare_data", unreadable)
     with pytest.raises(DataError, match=r"^cannot read /data/e2e/src1_train.txt: Permission denied; data.root sets the data folder"):
         run(compose_config(*SMALL), tmp_path / "run")
+
+
+# ---- issue 42: shuffled lots, empty data, an unreachable hub ---------------------------------------
+
+
+def test_shuffled_lots_are_refused_for_a_private_run_as_the_accountant_does_not_cover_them():
+    """Before, the run trained with one mid-log warning and reported the Poisson ε as its guarantee."""
+    for private in ("optimizer=dp_muon", "optimizer=dp_sgd"):
+        with pytest.raises(ConfigError) as caught:
+            validate(compose_config(private, "privacy.sampling=shuffle"))
+        assert str(caught.value) == (
+            "privacy.sampling=shuffle: fixed-size shuffled lots are not covered by the Poisson-subsampled accountant, "
+            "so a private run's ε would not be a guarantee; valid: poisson"
+        )
+    validate(compose_config("optimizer=adam", "privacy.sampling=shuffle"))  # non-private: Poisson lots, no ε to mislead
+
+
+def hf_run(tmp_path, train_file):
+    files = [f"dataset.files.train={train_file}", f"dataset.cache_dir={tmp_path / 'cache'}"]
+    return run(compose_config(*SMALL, "dataset=hf_example", *files), tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "name, content, problem",
+    [
+        ("empty.jsonl", "", "holds no rows (the file is empty or only blank lines); dataset.files.train needs rows with a 'source' and a 'target'"),
+        ("blank.jsonl", "\n  \n\n", "holds no rows (the file is empty or only blank lines)"),
+        ("blank.txt", "\n\n", "holds no rows (the file is empty or only blank lines); dataset.files.train needs `source||target` lines"),
+        ("none.json", "[]", "holds no rows (it parses to zero rows: a JSON [] or a CSV header alone)"),
+        ("header.csv", "source,target\n", "holds no rows (it parses to zero rows"),
+        ("other.jsonl", '{"mr": "a", "ref": "b"}\n', "no column 'source' (columns: mr, ref); set dataset.source_key to the column that holds it"),
+    ],
+)
+def test_a_data_file_without_rows_or_their_columns_is_one_line_naming_it(tmp_path, name, content, problem):
+    """An empty JSONL was a 45-line StopIteration from inside `datasets`."""
+    require_real_data()
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError) as caught:
+        hf_run(tmp_path, path)
+    assert str(caught.value).startswith(f"{path}: {problem}") and "\n" not in str(caught.value)
+
+
+def test_a_split_the_length_filter_empties_is_one_line_naming_the_limit(tmp_path):
+    """Before: "the training set is empty" (train), or a validation NLL of 0/0 taken for divergence."""
+    require_real_data()
+    with pytest.raises(DataError, match=r"^e2e train: all 100 examples are longer than dataset.max_length=3 tokens; raise dataset.max_length$"):
+        run(compose_config(*SMALL, "dataset.max_length=3"), tmp_path / "run")
+
+
+def test_an_unreachable_hub_fails_a_hub_id_in_seconds_not_after_a_minute_of_retries(monkeypatch):
+    from dpmuon import hub
+
+    def no_network(*args, **kwargs):
+        raise OSError(errno.ENETUNREACH, "Network is unreachable")
+
+    monkeypatch.setattr(hub.socket, "create_connection", no_network)
+    for name in hub.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    hub.hub_unreachable.cache_clear()
+    started, refused = time.monotonic(), r"^model.tokenizer=someone/no-such-tokenizer: not a local directory, and the Hugging Face hub could not provide it"
+    try:
+        with pytest.raises(ConfigError, match=refused):
+            with blamed_on("model.tokenizer", "someone/no-such-tokenizer"):
+                load_tokenizer("someone/no-such-tokenizer")
+    finally:
+        hub.hub_unreachable.cache_clear()
+    assert time.monotonic() - started < 5
+
+
+def test_the_hub_is_skipped_only_when_it_does_not_answer(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    from dpmuon import hub
+
+    answers = []
+    monkeypatch.setattr(hub.socket, "create_connection", lambda address, timeout: answers.append(address) or socket.socket())
+    for name in hub.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    hub.hub_unreachable.cache_clear()
+    try:
+        assert not hub.local_files_only("gpt2") and answers == [(urlsplit(constants.ENDPOINT).hostname, 443)]  # the real hub path
+        assert not hub.local_files_only(str(tmp_path))  # a local directory never asks
+        hub.hub_unreachable.cache_clear()
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        assert hub.local_files_only("gpt2") and len(answers) == 1  # offline by setting: not even one attempt
+    finally:
+        hub.hub_unreachable.cache_clear()

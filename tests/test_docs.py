@@ -5,6 +5,7 @@ configuration reference is the generator's current output."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,12 @@ def test_configuration_reference_lists_every_option():
     page = reference.PAGE.read_text(encoding="utf-8")
     missing = [key for key in reference.repo_options() if f"| `{key}` |" not in page]
     assert not missing, missing
+
+
+def test_make_help_lists_every_target_the_makefile_describes():
+    """`models/smollm2` (a target with a slash) was missing from `make help`."""
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    described = re.findall(r"^([^\s:#=]+):[^=\n]*## ", (REPO_ROOT / "Makefile").read_text(), flags=re.M)
+    shown = subprocess.run(["make", "-s", "help"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    assert "models/smollm2" in described and [line.split()[0] for line in shown.splitlines() if line.strip()] == described

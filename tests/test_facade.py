@@ -7,6 +7,8 @@ lots; settings that void the guarantee are refused in one line; the lots are sec
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
 import math
 import os
@@ -21,10 +23,15 @@ from helpers_train import compose_config
 from torch import nn
 
 import dpmuon
+from dpmuon import facade
 from dpmuon.errors import UserError
+from dpmuon.facade import Lot
 from dpmuon.models import Shape, build_random_lm, hidden_matrices, per_example_lm_loss
-from dpmuon.privacy import LEDGER_FILE
+from dpmuon.privacy import LEDGER_FILE, mechanism
 from dpmuon.privacy.accountant import PrivacyAccountant, epsilon_after
+from dpmuon.privacy.engines import ENGINES
+from dpmuon.privacy.engines.base import EXAMPLE_MASK
+from dpmuon.privacy.lot_bound import lot_bound
 from dpmuon.privacy.mechanism import build_mechanism
 from dpmuon.privacy.randomness import OS_ENTROPY
 from dpmuon.privacy.seed import MECHANISM_SEED_ENV
@@ -37,7 +44,7 @@ SEED = 0x7A57_FACADE_0123_4567_89AB_CDEF  # ≥ 2^64: no weak-seed warning
 SETTINGS = dict(target_epsilon=8.0, delta=1e-3, steps=3, expected_lot_size=16, clip_norm=0.5, noise_multiplier=1.0, accountant="rdp")
 OVERRIDES = [
     "privacy.target_epsilon=8.0", "privacy.delta=1e-3", "trainer.steps=3", "privacy.expected_lot_size=16", "privacy.clip_norm=0.5",
-    "privacy.noise_multiplier=1.0", "privacy.accountant=rdp", "privacy.constant_time=false", "optimizer=dp_muon",
+    "privacy.noise_multiplier=1.0", "privacy.accountant=rdp", "privacy.constant_time=true", "optimizer=dp_muon",
 ]  # fmt: skip
 
 
@@ -128,13 +135,188 @@ def test_a_lot_is_released_once_and_only_lots_from_lots_are_released(tmp_path):
         private.release([collate(dataset()[:4])])
 
 
-def test_lots_drawn_ahead_are_released_under_their_own_steps(tmp_path):
+def ledger_steps(run: Path) -> list[tuple[int, bool]]:
+    return [(r["step"], r["charged"]) for r in map(json.loads, (run / LEDGER_FILE).read_text().splitlines()[1:])]
+
+
+def test_only_the_oldest_lot_drawn_is_released_and_only_as_drawn(tmp_path):
     private = make(tmp_path)
-    lots = list(private.lots())
-    for lot in reversed(lots):
+    lots = list(private.lots())  # drawn ahead: allowed, released in the order drawn
+    forged = [Lot(1, list(lots[0].indices), 8, lots[0].micro_batches), copy.copy(lots[0])]
+    for lot in forged:  # hand-built or copied: no sample of the secret sampler
+        with pytest.raises(UserError, match=r"^release\(\): lot 1 was not drawn by this run's lots\(\)"):
+            private.release(lot)
+    with pytest.raises(UserError, match=r"^release\(\): lot 3 was drawn after lot 1, which is not released yet"):
+        private.release(lots[2])  # skipping lots 1 and 2, or releasing them out of order
+    for edit, undo in (
+        (lambda: lots[0].indices.append(N - 1), lambda: lots[0].indices.pop()),
+        (lambda: setattr(lots[0], "indices", list(range(len(lots[0])))), lambda: setattr(lots[0], "indices", forged[1].indices)),
+        (lambda: setattr(lots[0], "step", 9), lambda: setattr(lots[0], "step", 1)),
+    ):
+        edit()
+        with pytest.raises(UserError, match=r"^release\(\): lot 1 was changed after it was drawn") as refused:
+            private.release(lots[0])
+        assert "\n" not in str(refused.value)
+        undo()
+    for lot in lots:
         private.release(lot)
-    lines = [json.loads(line) for line in (tmp_path / "run" / LEDGER_FILE).read_text().splitlines()[1:]]
-    assert [(r["step"], r["charged"]) for r in lines] == [(3, True), (2, True), (1, True)]
+    assert ledger_steps(tmp_path / "run") == [(1, True), (2, True), (3, True)]
+    assert private.mechanism.release.accountant.steps == 3  # the refusals charged nothing
+
+
+def test_empty_lots_are_released_and_numbered_so_the_ledger_has_no_gaps(tmp_path, monkeypatch):
+    monkeypatch.setenv(MECHANISM_SEED_ENV, str(SEED))
+    sparse = dict(expected_lot_size=1, steps=6)  # q = 1/64: about a third of the lots are empty
+    private = make(tmp_path, name="all", **sparse)
+    sizes = []
+    for lot in private.lots():
+        sizes.append(len(lot))
+        private.release(lot)
+    assert 0 in sizes[:-1] and ledger_steps(tmp_path / "all") == [(s, True) for s in range(1, 7)]
+    # A loop that skips the empty lots (its gaps would say which lots were empty) is refused.
+    skipping = make(tmp_path, name="skipping", **sparse)
+    with pytest.raises(UserError, match=r"^release\(\): lot \d+ was drawn after lot \d+, which is not released yet.*empty ones included"):
+        for lot in skipping.lots():
+            if len(lot):
+                skipping.release(lot)
+    assert [s for s, _ in ledger_steps(tmp_path / "skipping")] == list(range(1, sizes.index(0) + 1))
+
+
+class PatternLots:
+    """Lots of prescribed sizes (indices 0, 1, …), cut to the constant-time bound as the real sampler does."""
+
+    def __init__(self, sizes, max_lot_size):
+        self.sizes, self.max_lot_size, self.step = sizes, max_lot_size, 0
+
+    def next_lot(self):
+        self.step += 1
+        size = self.sizes[(self.step - 1) % len(self.sizes)]
+        return list(range(size if self.max_lot_size is None else min(size, self.max_lot_size)))
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+
+def spy_on_the_engine(monkeypatch) -> list[dict]:
+    """Each micro-batch the fast engine clips: its tensor shapes and how many of its rows are examples."""
+    seen, clipped_sum = [], ENGINES["fast"].clipped_sum
+
+    def spy(self, batch, loss_fn):
+        seen.append({k: tuple(v.shape) for k, v in batch.items()} | {"examples": int(batch[EXAMPLE_MASK].sum())})
+        return clipped_sum(self, batch, loss_fn)
+
+    monkeypatch.setattr(ENGINES["fast"], "clipped_sum", spy)
+    return seen
+
+
+def varied_lengths() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, VOCAB, (int(n),), generator=g) for n in torch.randint(1, LENGTH + 1, (N,), generator=g)]
+
+
+def padded(rows: list[torch.Tensor], width: int | None = LENGTH) -> dict[str, torch.Tensor]:
+    """Right-padded to `width` (None: to the micro-batch's longest row), padding masked and unsupervised."""
+    width = width or max(len(r) for r in rows)
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_constant_time_lots_run_the_same_micro_batches_whatever_their_size_and_lengths(tmp_path, monkeypatch):
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots([1, 1000, 0], max_lot_size))
+    seen = spy_on_the_engine(monkeypatch)
+    private = dpmuon.make_private(tiny_model(), varied_lengths(), padded, per_example_lm_loss, run_dir=tmp_path, **SETTINGS, micro_batch_size=8)
+    plan = private.plan
+    # B_max is the driver's bound, and the chance that a lot is cut to it is charged (in δ).
+    assert plan.max_lot_size == lot_bound(N, plan.sample_rate, plan.steps, plan.target_epsilon, plan.delta)[0] < N
+    assert plan.slack.bad_event >= plan.truncation_probability > 0
+    sizes = []
+    for lot in private.lots():
+        private.release(lot)
+        sizes.append(len(lot))
+    assert sizes == [1, plan.max_lot_size, 0]  # 1000 was cut to the bound
+    per_step = -(-plan.max_lot_size // 8)
+    assert len(seen) == 3 * per_step and len({tuple(sorted((k, v) for k, v in b.items() if k != "examples")) for b in seen}) == 1
+    assert [sum(b["examples"] for b in seen[i : i + per_step]) for i in range(0, len(seen), per_step)] == sizes
+    assert ledger_steps(tmp_path) == [(1, True), (2, True), (3, True)]
+
+
+def test_filler_rows_add_exactly_nothing_whatever_they_hold(tmp_path, monkeypatch):
+    monkeypatch.setenv(MECHANISM_SEED_ENV, str(SEED))  # the same lot and noise in every run
+    grads = {}
+    for name, filler, constant in (("ct", 2, True), ("other_filler", 3, True), ("as_drawn", 2, False)):
+        monkeypatch.setattr(facade, "FILLER_EXAMPLE", filler)  # two different examples outside the lot
+        private = make(tmp_path, name=name, constant_time=constant)
+        lot = next(private.lots())
+        assert not {2, 3} & set(lot.indices) and len(lot) > 0
+        private.release(lot)
+        grads[name] = {n: p.grad for n, p in private.params.items()}
+    for n, g in grads["ct"].items():
+        assert torch.equal(g, grads["other_filler"][n]), n  # bit for bit
+        assert torch.allclose(g, grads["as_drawn"][n], rtol=0, atol=1e-6), n  # the release of the lot as drawn, up to fp32 rounding
+
+
+def test_micro_batches_of_varying_shapes_are_refused_in_one_line(tmp_path, monkeypatch):
+    longest = lambda rows: padded(rows, width=None)  # noqa: E731
+    refusal = r"^make_private: constant_time=True needs one shape .* collate_fn .*'attention_mask' of shape \(8, \d\) where the first had \(8, 1\)"
+    with pytest.raises(UserError, match=refusal + r".*padding='max_length'") as refused:
+        dpmuon.make_private(
+            tiny_model(), [torch.tensor([1])] + varied_lengths()[1:], longest, per_example_lm_loss, run_dir=tmp_path / "a", **SETTINGS, micro_batch_size=8
+        )
+    assert "\n" not in str(refused.value) and not (tmp_path / "a").exists()  # refused before the mechanism exists
+    # The first micro-batch's examples all as long as the first: the release's own check refuses, before anything is charged.
+    data = [torch.arange(LENGTH) % VOCAB] * 8 + [row[: LENGTH // 2] for row in varied_lengths()[8:]]
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots([N], max_lot_size))
+    private = dpmuon.make_private(tiny_model(), data, longest, per_example_lm_loss, run_dir=tmp_path / "b", **SETTINGS, micro_batch_size=8)
+    with pytest.raises(UserError, match=r"^make_private: constant_time=True needs one shape"):
+        private.release(next(private.lots()))
+    assert ledger_steps(tmp_path / "b") == [] and all(p.grad is None for p in private.params.values())
+    with pytest.raises(UserError, match=r"^make_private: collate_fn returned a tuple: .* a mapping of tensors"):
+        dpmuon.make_private(tiny_model(), dataset(), lambda rows: tuple(collate(rows).values()), per_example_lm_loss, run_dir=tmp_path / "c", **SETTINGS)
+    as_drawn = dpmuon.make_private(tiny_model(), varied_lengths(), longest, per_example_lm_loss, run_dir=tmp_path / "d", **SETTINGS, constant_time=False)
+    as_drawn.release(next(as_drawn.lots()))  # lots as drawn: any shapes
+
+
+def test_a_rerun_of_a_finished_run_dir_says_it_trains_nothing(tmp_path, capsys):
+    first = make(tmp_path, steps=1)
+    assert len([first.release(lot) for lot in first.lots()]) == 1
+    again = make(tmp_path, steps=1)
+    assert list(again.lots()) == [] and again.epsilon == first.epsilon
+    said = [line for line in capsys.readouterr().err.splitlines() if "finished" in line]
+    assert len(said) == 1 and re.search(r"run_dir .* is finished: .* this run trains nothing; to train again, use a new run_dir", said[0])
+
+
+def test_a_user_seeded_run_dir_is_not_continued_from_the_seeds_start(tmp_path, monkeypatch):
+    monkeypatch.setenv(MECHANISM_SEED_ENV, str(SEED))
+    first = make(tmp_path)
+    first.release(next(first.lots()))
+    again = make(tmp_path)  # a new process: the seed's streams start over, lot 1's coins and noise would repeat
+    with pytest.raises(UserError, match=r"^run_dir=.* holds 1 releases drawn from this mechanism seed, .*\(repeated noise is not private\)"):
+        next(again.lots())
+    monkeypatch.delenv(MECHANISM_SEED_ENV)
+    fresh = make(tmp_path)  # OS entropy: fresh draws, the ledger continues
+    fresh.release(next(fresh.lots()))
+    assert ledger_steps(tmp_path / "run") == [(1, True), (2, True)]
+
+
+def test_the_example_says_what_it_trained_when_run_again(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(MECHANISM_SEED_ENV, raising=False)
+    monkeypatch.delenv("DPMUON_TOKENIZER", raising=False)  # bytes: offline, small
+    spec = importlib.util.spec_from_file_location("train_private_jsonl", REPO / "examples" / "train_private_jsonl.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    outputs = []
+    for _ in range(2):
+        monkeypatch.setattr(sys, "argv", ["train_private_jsonl.py", "--run-dir", str(tmp_path), "--steps", "1", "--noise-multiplier", "1.0"])
+        example.main()
+        outputs.append(capsys.readouterr())
+    assert outputs[0].out.startswith("trained 1 private steps in this run (1 of the plan's 1 in the ledger)")
+    assert outputs[1].out.startswith("trained 0 private steps in this run (1 of the plan's 1 in the ledger)")
+    assert "this run trains nothing; to train again, use a new run_dir" in outputs[1].err
 
 
 def test_batch_norm_in_train_mode_is_refused(tmp_path):

@@ -11,13 +11,16 @@
 The mechanism is the driver's own (privacy/mechanism.py): the same plan, secret randomness,
 fsynced hash-chained ledger in `run_dir`, accountant and budget guard. What this module adds is
 the refusal of what would void the guarantee in code the driver does not control: batch-norm in
-train mode, shuffled lots without an explicit opt-in, a lot released twice, a data set that
-cannot be indexed.
+train mode, shuffled lots without an explicit opt-in, a lot that is not the next one drawn
+(hand-built, edited, released twice, skipped or out of order), a data set that cannot be
+indexed, and — with constant-time lots, the default — micro-batches whose shapes vary.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,45 +32,70 @@ from torch import nn
 from .errors import UserError, one_line
 from .models import hidden_matrices
 from .privacy.engines import PerExampleLoss
+from .privacy.engines.base import EXAMPLE_MASK
 from .privacy.mechanism import Mechanism, PrivacySettings, build_mechanism, check_plan_inputs
 from .privacy.privatizer import ReleaseStats
+from .privacy.randomness import USER_SEED
 from .privacy.seed import user_seed
+
+# The example whose rows fill a constant-time micro-batch up (any would do: filler rows add nothing).
+FILLER_EXAMPLE = 0
 
 
 def say(message: str) -> None:
     print(f"[dpmuon] {message}", file=sys.stderr, flush=True)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a copy with the same fields is not the lot drawn
 class Lot:
-    """One Poisson lot: the examples' indices in the training set, released at most once."""
+    """One Poisson lot: the examples' indices in the training set, drawn by `lots()` and released
+    once, in the order drawn (see `PrivateTraining.release`)."""
 
     step: int  # its release's number in the ledger (lots are numbered as drawn)
     indices: list[int]
     micro_batch_size: int
-    _batches: Callable[[list[int]], Any] = field(repr=False)
+    _batches: Callable[[], Iterator[Any]] = field(repr=False)
     released: bool = False
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def micro_batches(self) -> Iterator[Any]:
-        """The lot in collated micro-batches of at most `micro_batch_size` examples."""
-        for start in range(0, len(self.indices), self.micro_batch_size):
-            yield self._batches(self.indices[start : start + self.micro_batch_size])
+        """The collated micro-batches the release processes: at most `micro_batch_size` examples
+        each; with constant-time lots always the same number of micro-batches of that many rows,
+        filler rows marked False in batch[EXAMPLE_MASK]."""
+        return self._batches()
 
 
 class PrivateTraining:
     """A model's private release over one training set (build it with `make_private`)."""
 
-    def __init__(self, model: nn.Module, dataset: Sequence, collate_fn: Callable, loss_fn: PerExampleLoss, mechanism: Mechanism, micro_batch_size: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        dataset: Sequence,
+        collate_fn: Callable,
+        loss_fn: PerExampleLoss,
+        mechanism: Mechanism,
+        micro_batch_size: int,
+        run_dir: Path,
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ):
         self.model, self.dataset, self.collate_fn, self.loss_fn = model, dataset, collate_fn, loss_fn
         self.mechanism = mechanism
         self.micro_batch_size = micro_batch_size
+        self.run_dir = run_dir
         self.hidden_matrices = {n: layout for n, layout in hidden_matrices(model).items() if n in mechanism.release.params}
-        # Lots are numbered as drawn, after the steps of a ledger the run directory already holds:
-        # every release has its own step, even when lots are drawn ahead of their release.
-        self.lots_drawn = max((r["step"] for r in mechanism.ledger.releases), default=0) if mechanism.ledger else 0
+        # Constant-time lots: every release processes this many rows (B_max, privacy/lot_bound.py),
+        # in micro-batches of micro_batch_size rows; None: lots as drawn.
+        self.padded_rows = mechanism.plan.max_lot_size
+        # The engines read the filler rows' mask; loss_fn sees the batch as collate_fn made it.
+        self._release_loss = loss_fn if self.padded_rows is None else without_example_mask(loss_fn)
+        self.shapes = shapes  # constant-time lots: every micro-batch's tensor shapes (`fixed_shapes`)
+        # Lots are numbered as drawn, after the steps of a ledger the run directory already holds.
+        self.next_step = 1 + max((r["step"] for r in mechanism.ledger.releases), default=0) if mechanism.ledger else 1
+        # Drawn and not yet released, in the order drawn: (lot, its step, its indices as drawn).
+        self._pending: deque[tuple[Lot, int, tuple[int, ...]]] = deque()
 
     # -- what the optimizer may know (public) --------------------------------------------------
 
@@ -98,35 +126,114 @@ class PrivateTraining:
 
     def lots(self) -> Iterator[Lot]:
         """The plan's lots, drawn with the mechanism's secret randomness; stops early where one
-        more release would exceed the target ε (the budget guard)."""
-        for _ in range(self.plan.steps - self.mechanism.release.accountant.steps):
+        more release would exceed the target ε (the budget guard). Says so when the run
+        directory's ledger already holds every release of the plan: nothing is left to train."""
+        charged = self.mechanism.release.accountant.steps
+        if charged >= self.plan.steps:
+            say(
+                f"run_dir {self.run_dir} is finished: its ledger already charges {charged} releases, the plan has {self.plan.steps}, so "
+                "lots() yields none and this run trains nothing; to train again, use a new run_dir (the releases here still count)"
+            )
+            return
+        for _ in range(self.plan.steps - charged - len(self._pending)):
             if not self.mechanism.within_budget():
                 say(f"budget guard: one more release would exceed ε={self.plan.target_epsilon} (ε spent {self.epsilon:.4f}); no more lots")
                 return
-            self.lots_drawn += 1
-            yield Lot(self.lots_drawn, self.mechanism.next_lot(), self.micro_batch_size, self._collated)
+            yield self.draw_lot()
+
+    def draw_lot(self, step: int | None = None) -> Lot:
+        """The next lot of the secret sampler, numbered `step` (default: after the last one drawn).
+        lots() draws with it; an integration that re-runs the steps after a checkpoint (DPTrainer)
+        gives their numbers, and the ledger charges such a re-run unless its release is identical."""
+        self._refuse_redrawing_a_user_seed()
+        step = self.next_step if step is None else int(step)
+        self.next_step = step + 1
+        drawn = tuple(self.mechanism.next_lot())
+        lot = Lot(step, list(drawn), self.micro_batch_size, lambda: self._micro_batches(drawn))
+        self._pending.append((lot, step, drawn))
+        return lot
+
+    def _refuse_redrawing_a_user_seed(self) -> None:
+        """A user seed's streams start over in every process: continuing a ledger from them would
+        draw the first lots and noise again, and a release whose noise repeats an earlier one's is no
+        longer private (their difference has no noise). OS entropy is fresh in each process, and an
+        integration that restores the streams' saved position (DPTrainer) has draws > 0."""
+        randomness, ledger = self.mechanism.randomness, self.mechanism.ledger
+        if ledger is not None and ledger.releases and randomness.source == USER_SEED and randomness.sampler.draws == 0:
+            raise UserError(
+                f"run_dir={self.run_dir} holds {len(ledger.releases)} releases drawn from this mechanism seed, and a new process "
+                "would draw the same lots and noise again (repeated noise is not private); continue with no seed (OS entropy), "
+                "or start a new run_dir"
+            )
 
     def release(self, lot: Lot) -> ReleaseStats:
         """Clip, noise, write the ledger line (fsynced), charge the accountant, then set p.grad
         of every trainable parameter to the released gradient. Returns the lot's statistics:
-        computed from the raw examples, they are NOT private (do not log or publish them)."""
+        computed from the raw examples, they are NOT private (do not log or publish them).
+
+        Only the oldest lot drawn and not yet released, unchanged, is released: an empty lot too
+        (noise only, charged, numbered), so the ledger's steps have no gaps that say which lots
+        were empty. Refusing is what keeps the accountant truthful; charging every drawn lot
+        would not: releasing lots chosen (or ordered) by what they hold — a lot with a given
+        example, say — is no longer Poisson sampling, whatever is charged for the others.
+        """
         if not isinstance(lot, Lot):
             raise UserError(f"release() takes a lot from lots(), got {type(lot).__name__}: only the secret Poisson lots are accounted for")
-        if lot.released:
+        position = next((i for i, (drawn, _, _) in enumerate(self._pending) if drawn is lot), None)
+        if position is None and lot.released:
             raise UserError(f"lot {lot.step} was released already: a second release of one lot is no fresh Poisson sample (the accountant would undercount it)")
+        if position is None:
+            raise UserError(
+                f"release(): lot {lot.step} was not drawn by this run's lots(): a hand-built, copied or other run's Lot is no secret "
+                "Poisson sample the accountant covers; release the lots lots() yields"
+            )
+        _, step, indices = self._pending[position]
+        if position > 0:
+            raise UserError(
+                f"release(): lot {step} was drawn after lot {self._pending[0][1]}, which is not released yet: release every lot in the "
+                "order drawn, empty ones included (releasing lots chosen by what they hold is not the Poisson sampling the accountant charges)"
+            )
+        if lot.step != step or tuple(lot.indices) != indices:
+            raise UserError(
+                f"release(): lot {step} was changed after it was drawn (its step or indices): only the lot the secret sampler drew "
+                "is accounted for; release it unchanged"
+            )
         if not self.mechanism.within_budget():
             raise UserError(f"release refused: it would exceed the target ε={self.plan.target_epsilon} (ε spent {self.epsilon:.4f})")
         refuse_batch_norm_in_train_mode(self.model)
+        self._pending.popleft()
         lot.released = True
-        return self.mechanism.release.release(lot.micro_batches(), self.loss_fn, lot.step)
+        return self.mechanism.release.release(self._micro_batches(indices), self._release_loss, step)
 
     def close(self) -> None:
         """Remove the engine's hooks from the model."""
         self.mechanism.close()
 
+    def _micro_batches(self, indices: Sequence[int]) -> Iterator[Any]:
+        size = self.micro_batch_size
+        if self.padded_rows is None:
+            for start in range(0, len(indices), size):
+                yield self._collated(list(indices[start : start + size]))
+            return
+        # ⌈B_max / micro_batch_size⌉ micro-batches whatever the lot's size (the sampler cut a larger one).
+        for start in range(0, self.padded_rows, size):
+            yield self._padded(list(indices[start : start + size]))
+
     def _collated(self, indices: list[int]) -> Any:
         device = next(iter(self.params.values())).device
         return to_device(self.collate_fn([self.dataset[i] for i in indices]), device)
+
+    def _padded(self, indices: list[int]) -> dict[str, Any]:
+        """A constant-time micro-batch: the examples, then filler rows up to micro_batch_size.
+
+        A filler row is example 0 again, fetched and collated as any row is (so it costs what a
+        real one costs), and marked False in EXAMPLE_MASK: the engines give it factor 0 and leave
+        it out of every count, so whatever it holds it adds exactly nothing to the release."""
+        filler = self.micro_batch_size - len(indices)
+        batch = collated_mapping(self.collate_fn, [self.dataset[i] for i in indices + [FILLER_EXAMPLE] * filler])
+        check_same_shapes(tensor_shapes(batch), self.shapes)
+        device = next(iter(self.params.values())).device
+        return to_device({**batch, EXAMPLE_MASK: torch.arange(self.micro_batch_size) < len(indices)}, device)
 
 
 def make_private(
@@ -156,6 +263,7 @@ def make_private(
     secure_noise: bool = False,
     mechanism_seed_file: str | Path | None = None,
     dataset_name: str = "custom",
+    constant_time: bool = True,
 ) -> PrivateTraining:
     """The private release of `model`'s trainable parameters over `train_dataset` (indexable:
     len() and [i]); `collate_fn(examples)` makes a micro-batch, `loss_fn(model, batch)` returns
@@ -168,10 +276,11 @@ def make_private(
     from $DPMUON_MECHANISM_SEED or an owner-only `mechanism_seed_file`. `dataset_name` names the
     private set in the ledger (runs on one set compose: python -m dpmuon.eval.study).
     The other settings are the driver's privacy.* keys (conf/privacy/per_matrix.yaml).
-    Lots are processed as drawn (no privacy.constant_time): step times track the secret lot
-    sizes, so do not publish them (per-step timestamps, W&B system metrics, profiles).
+    `constant_time` (privacy.constant_time): every release runs the same micro-batches, filled
+    up to B_max rows that add nothing (docs/privacy.md#constant-time-lots), so collate_fn must
+    give them one shape (a fixed width); False: lots as drawn, whose step times must not be published.
     """
-    refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling, allow_shuffle_sampling, micro_batch_size)
+    refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling, allow_shuffle_sampling, micro_batch_size, constant_time)
     settings = PrivacySettings(
         target_epsilon=float(target_epsilon),
         delta=float(delta),
@@ -189,28 +298,26 @@ def make_private(
         engine_fallback=engine_fallback,
         sampling=sampling,
         secure_noise=secure_noise,
+        constant_time=constant_time,
     )
     check_plan_inputs(settings, len(train_dataset))
+    shapes = fixed_shapes(train_dataset, collate_fn, micro_batch_size) if constant_time else None
     secret = user_seed(mechanism_seed_file, seed_file_key="mechanism_seed_file")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
+        matrices = hidden_matrices(model)
         mechanism = build_mechanism(
-            model,
-            len(train_dataset),
-            settings,
-            hidden_matrices=hidden_matrices(model),
-            user_secret=secret,
-            run_dir=run_dir,
-            dataset_name=dataset_name,
-            log=say,
+            model, len(train_dataset), settings, hidden_matrices=matrices, user_secret=secret, run_dir=run_dir, dataset_name=dataset_name, log=say
         )
     except ValueError as err:  # the partition's or the engine's: a setting or a layer it cannot privatize
         raise UserError(f"make_private: {one_line(err)}") from None
-    return PrivateTraining(model, train_dataset, collate_fn, loss_fn, mechanism, micro_batch_size)
+    if not constant_time:
+        say("constant_time=False: step times track the secret lot sizes; publish none of them (per-step timestamps, W&B system metrics, profiles)")
+    return PrivateTraining(model, train_dataset, collate_fn, loss_fn, mechanism, micro_batch_size, run_dir, shapes)
 
 
-def refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling: str, allow_shuffle_sampling: bool, micro_batch_size) -> None:
+def refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling: str, allow_shuffle_sampling: bool, micro_batch_size, constant_time=True) -> None:
     """make_private's refusals that need no mechanism, each in one line naming the argument."""
     if (epochs is None) == (steps is None):
         raise UserError("make_private: give exactly one of epochs=<passes over the data> and steps=<releases>")
@@ -223,6 +330,8 @@ def refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling: str, 
         )
     if not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
         raise UserError(f"make_private: micro_batch_size={micro_batch_size!r}; valid: an integer >= 1")
+    if not isinstance(constant_time, bool):
+        raise UserError(f"make_private: constant_time={constant_time!r}; valid: True (the default) or False")
     refuse_batch_norm_in_train_mode(model)
 
 
@@ -244,3 +353,60 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def fixed_shapes(dataset: Sequence, collate_fn: Callable, micro_batch_size: int) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes every constant-time micro-batch must have: a filler-only one's. One of
+    the first examples must match, so that a collate_fn padding to each micro-batch's longest
+    example is refused before the mechanism exists; the release checks every micro-batch."""
+    filler = dataset[FILLER_EXAMPLE]
+    shapes = tensor_shapes(collated_mapping(collate_fn, [filler] * micro_batch_size))
+    first = [dataset[i] for i in range(min(micro_batch_size, len(dataset)))]
+    check_same_shapes(tensor_shapes(collated_mapping(collate_fn, first + [filler] * (micro_batch_size - len(first)))), shapes)
+    return shapes
+
+
+def collated_mapping(collate_fn: Callable, rows: list[Any]) -> Mapping:
+    batch = collate_fn(rows)
+    if not isinstance(batch, Mapping):
+        raise UserError(
+            f"make_private: collate_fn returned a {type(batch).__name__}: constant-time lots mark their filler rows with a batch key, "
+            "so it must return a mapping of tensors (e.g. {'input_ids': ..., 'attention_mask': ..., 'labels': ...})"
+        )
+    return batch
+
+
+def check_same_shapes(shapes: Mapping[str, tuple[int, ...]], first: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse a micro-batch whose tensor shapes are not the first's: a wider one takes longer, and
+    the step's time would tell how long the lot's examples are."""
+    differ = [key for key in sorted(first.keys() | shapes.keys()) if shapes.get(key) != first.get(key)]
+    if differ:
+        key = differ[0]
+        raise UserError(
+            f"make_private: constant_time=True needs one shape for every micro-batch, but collate_fn (DPTrainer: data_collator) gave "
+            f"{key!r} of shape {shapes.get(key)} where the first had {first.get(key)}, so step times would track the secret lots; pad "
+            "to a fixed width (e.g. a tokenizer's padding='max_length', or a collator's pad_to_multiple_of=<max length>), or pass "
+            "constant_time=False and publish no step times"
+        )
+
+
+def tensor_shapes(batch: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in a collated micro-batch (nested mappings and sequences), by key path."""
+    if isinstance(batch, torch.Tensor):
+        return {prefix or "batch": tuple(batch.shape)}
+    items = batch.items() if isinstance(batch, Mapping) else enumerate(batch) if isinstance(batch, (list, tuple)) else ()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, value in items:
+        shapes |= tensor_shapes(value, f"{prefix}.{key}" if prefix else str(key))
+    return shapes
+
+
+def without_example_mask(loss_fn: PerExampleLoss) -> PerExampleLoss:
+    """loss_fn called on the batch without the engines' EXAMPLE_MASK key (a loss that passes
+    model(**batch) would choke on it); it keeps loss_fn's name for messages that name it."""
+
+    @functools.wraps(loss_fn)
+    def loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        return loss_fn(model, {k: v for k, v in batch.items() if k != EXAMPLE_MASK})
+
+    return loss

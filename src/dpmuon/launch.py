@@ -46,6 +46,7 @@ from .training.run_identity import (
     shown_keys,
 )
 from .training.run_lock import lock_run_dir, unlock_run_dir
+from .training.secret import user_mechanism_secret
 
 # Paths Hydra's override grammar takes unquoted; others are single-quoted.
 PLAIN_PATH = re.compile(r"[\w/.\-+@:%~]+")
@@ -77,7 +78,10 @@ def check_multirun(args: list[str]) -> None:
     overrides = [arg for arg in args if arg not in ("-m", "--multirun")]
     if not any(arg.startswith("-") for arg in overrides):  # other flags may take values: Hydra's to read
         with contextlib.suppress(HydraException):  # Hydra says what it cannot parse
-            check_override_keys(OverridesParser.create().parse_overrides(overrides))
+            parsed = OverridesParser.create().parse_overrides(overrides)
+            check_override_keys(parsed)
+            # The settings every job shares carry no seed into Hydra's records (swept values: train.cli).
+            refuse_seed_in_composed([o.input_line for o in parsed if not o.is_sweep_override()])
     given = [arg.split("=", 1)[1] for arg in args if arg.startswith("hydra.sweep.dir=")]
     if not given or "$" in given[-1]:
         return  # Hydra's default sweep folder is new each time (a timestamp)
@@ -108,6 +112,7 @@ def prepare_new_run(args: list[str]) -> list[str]:
         run_dir = str(OmegaConf.select(composed, "hydra.run.dir"))
     except (HydraException, OmegaConfBaseException):
         return args  # Hydra reports its own composition errors (e.g. an unknown optimizer=)
+    user_mechanism_secret(composed)  # Hydra's section too: the folder's name and .hydra/hydra.yaml come next
     with open_dict(composed):
         del composed["hydra"]
     validate(composed)
@@ -115,6 +120,16 @@ def prepare_new_run(args: list[str]) -> list[str]:
     if any(char in run_dir for char in "'\\$"):
         return args  # not quotable as an override: Hydra resolves it again (a literal path, to the same)
     return [arg for arg in args if not arg.startswith("hydra.run.dir=")] + [f"hydra.run.dir={quoted(run_dir)}"]
+
+
+def refuse_seed_in_composed(args: list[str]) -> None:
+    """The config these arguments compose, Hydra's section included, holds no mechanism seed."""
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            composed = compose(config_name="config", overrides=args, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException):
+        return  # Hydra reports its own composition errors
+    user_mechanism_secret(composed)
 
 
 def take_run_dir(run_dir: Path, cfg: DictConfig) -> None:

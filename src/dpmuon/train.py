@@ -198,8 +198,9 @@ def cli() -> None:
     if "--debug" in sys.argv[1:]:
         sys.argv.remove("--debug")
         os.environ["HYDRA_FULL_ERROR"] = "1"
-    if seed_on_command_line(sys.argv[1:]):  # before Hydra records the overrides (.hydra/, multirun.yaml)
-        exit_with_error(refusal())
+    seed_given = seed_on_command_line(sys.argv[1:])
+    if seed_given:  # before Hydra records the overrides (.hydra/, multirun.yaml)
+        exit_with_error(refusal(seed_given))
     install_interrupt_handlers()
     problem = output_folder_problem(sys.argv[1:])
     if problem:

@@ -40,7 +40,9 @@ from dpmuon.audit import (
     gdp_epsilon,
     gdp_mu_lower_bound,
     gdp_profile,
+    lot_reuse_p_value,
     membership_guesses,
+    noise_reuse_p_value,
     one_run_audit,
     one_run_epsilon_lower_bound,
     one_run_p_value,
@@ -51,7 +53,9 @@ from dpmuon.audit import (
     train_and_score,
 )
 from dpmuon.audit import canaries as audit_module
+from dpmuon.audit.canaries import ONE_RUN_BLIND
 from dpmuon.audit.cli import main as audit_main
+from dpmuon.audit.cli import parse_args, selected_setups
 from dpmuon.paths import REPO_ROOT
 from dpmuon.privacy import PoissonLotSampler, epsilon_after
 from dpmuon.privacy.engines.fast.layers import AffineLayer
@@ -422,6 +426,103 @@ def test_the_noise_check_measures_the_released_noise_std():
     assert not correct.sampler_flagged and expected_verdict(correct) and expected_verdict(low)
 
 
+# --- independence across steps ----------------------------------------------------------------
+
+
+def fresh_noise(steps: int, values: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Independent N(0, 1) noise per step, each coordinate pure noise w.p. 0.99 (else a lot member's)."""
+    return rng.standard_normal((steps, values)), rng.random((steps, values)) < 0.99
+
+
+def test_the_noise_reuse_check_has_its_size_and_is_blind_to_the_noise_scale():
+    """Exact Student-t per pair, Bonferroni over pairs: fresh noise is flagged at most at the level
+    (p < 0.05 in ≤ 5% of runs, and not vacuously so), whatever its std — the std is the other check's business."""
+    rng = np.random.default_rng(0)
+    p_values = np.array([noise_reuse_p_value(*fresh_noise(10, 500, rng)) for _ in range(300)])
+    assert 0.01 < np.mean(p_values < 0.05) < 0.08
+    values, undrawn = fresh_noise(10, 500, rng)
+    assert noise_reuse_p_value(0.8 * values, undrawn) == pytest.approx(noise_reuse_p_value(values, undrawn))
+
+
+@pytest.mark.parametrize("reuse", ["same", "negated", "half-mixed"])
+def test_the_noise_reuse_check_flags_one_draw_shared_by_two_steps(reuse):
+    values, undrawn = fresh_noise(40, 2000, np.random.default_rng(1))
+    earlier = values[3]
+    values[17] = {"same": earlier, "negated": -earlier, "half-mixed": (earlier + values[17]) / math.sqrt(2)}[reuse]
+    assert noise_reuse_p_value(values, undrawn) < 1e-20
+
+
+def test_the_lot_reuse_check_flags_exactly_the_overlaps_poisson_sampling_does_not_explain():
+    """Deterministic, not by chance: with the other lots disjoint, a lot repeated once is flagged
+    if and only if it has k* members, k* fixed by N, q and the steps before the run."""
+    size, rate, steps = 2500, 0.01, 40
+    pairs = steps * (steps - 1) // 2
+    threshold = next(k for k in range(1, 50) if pairs * stats.binom.sf(k - 1, size, rate**2) < 1e-3)
+    assert threshold == 6  # quick mode's block scenario: a Poisson(25) lot is smaller w.p. ~1e-6
+    for members in (threshold - 1, threshold, 25):
+        lots = [list(range(60 * t, 60 * t + members)) for t in range(steps)]
+        lots[9] = lots[2]
+        assert (lot_reuse_p_value(lots, size, rate) < 1e-3) == (members >= threshold)
+    rng = np.random.default_rng(2)
+    poisson = [[lot.tolist() for lot in (np.flatnonzero(rng.random(size) < rate) for _ in range(steps))] for _ in range(50)]
+    assert min(lot_reuse_p_value(lots, size, rate) for lots in poisson) > 1e-3
+
+
+REUSE_SETUP = replace(QUICK_BLOCKS, steps=8)  # quick mode's block scenario, 8 of its 40 steps: ~2 s a run
+
+
+@pytest.fixture(scope="module")
+def reuse_results():
+    torch.set_num_threads(1)
+    return {b: audit_mechanism(REUSE_SETUP, b) for b in ("none", "noise_reused", "lot_reused", "noise_0.8")}
+
+
+@pytest.mark.parametrize("breakage", ["noise_reused", "lot_reused", "noise_0.8"])
+def test_reused_noise_reused_lots_and_noise_0_8_are_each_flagged_by_their_check(reuse_results, breakage):
+    """One noise draw every step (ε = ∞) and one lot every step pass the one-run audit and the
+    per-step checks (the lot-rate check sees a repeated lot only if its size is far from L); the
+    independence checks catch them in 8 steps."""
+    result, check = reuse_results[breakage], ONE_RUN_BLIND[breakage]
+    assert result.flags[check] and expected_verdict(result)
+    assert not result.detected
+    assert result.true_epsilon > 1.9 * result.claimed_epsilon  # noise × 0.8: 3.96 against 1.99
+    if breakage == "noise_reused":
+        assert math.isinf(result.true_epsilon) and not result.noise_flagged  # each release alone looks right
+    if breakage == "lot_reused":
+        assert not (result.sampler_flagged or result.noise_reuse_flagged)
+
+
+def test_the_correct_mechanism_passes_the_independence_checks(reuse_results):
+    result = reuse_results["none"]
+    assert not any(result.flags.values()) and expected_verdict(result)
+    assert result.noise_reuse_p_value > 1e-3 and result.lot_reuse_p_value > 1e-3
+
+
+def test_the_reuse_mutations_restore_the_stream_and_the_sampler_every_step(monkeypatch):
+    """The mutation is the mechanism's own secret streams rewound before each step: the lots (and
+    the released noise) repeat exactly."""
+    lots = []
+    original = PoissonLotSampler.next_lot
+
+    def spy(self):
+        lots.append(original(self))
+        return lots[-1]
+
+    monkeypatch.setattr(PoissonLotSampler, "next_lot", spy)
+    setup = replace(QUICK_BLOCKS, steps=3)
+    train_and_score(setup, draw_inclusion(setup.canaries, 0), 1.0, "lot_reused", Seeds.spawn(0))
+    assert lots[0] == lots[1] == lots[2] and len(lots[0]) > 10
+
+
+def test_quick_mode_runs_noise_0_8_and_the_reuse_mutations():
+    """`make audit-quick MUTATION=noise_0.8` (and the reuse mutations) select a quick scenario."""
+    for breakage in ("noise_0.8", "noise_reused", "lot_reused"):
+        (setup,) = selected_setups(parse_args(["--mode", "quick", "--mutation", breakage]))
+        assert setup is not None and breakage in setup.breaks
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert "--mode quick $(if $(MUTATION),--mutation $(MUTATION))" in makefile
+
+
 # --- the designs and the verdicts in quick mode ----------------------------------------------
 
 
@@ -456,6 +557,8 @@ def test_quick_mode_catches_every_mutation(quick_results, setup, breakage):
     assert expected_verdict(result)
     if breakage == "lots_2q":  # a one-run blind spot: the sampler check's
         assert result.sampler_flagged and not result.noise_flagged
+    elif breakage in ONE_RUN_BLIND:
+        assert result.flags[ONE_RUN_BLIND[breakage]]
     else:
         assert result.detected and result.fdp.mu > 0.5
 
@@ -466,7 +569,8 @@ def test_quick_mode_audits_the_moderate_breaks():
 
 
 def test_quick_mode_audits_every_block_type_with_the_linear_norm_mutation():
-    assert QUICK_BLOCKS.model == "blocks" and {"linear_norms_low", "per_block_noise", "lots_2q"} <= set(QUICK_BLOCKS.breaks)
+    assert QUICK_BLOCKS.model == "blocks"
+    assert {"linear_norms_low", "per_block_noise", "lots_2q", "noise_0.8", "noise_reused", "lot_reused"} <= set(QUICK_BLOCKS.breaks)
     assert set(MODES["mutations"][0].breaks) == set(BREAKS) - {"tenth_noise", "half_noise"}
 
 

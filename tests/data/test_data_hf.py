@@ -230,3 +230,23 @@ def test_progress_off_silences_the_datasets_bars(tmp_path):
         assert not datasets.is_progress_bar_enabled()
     finally:
         datasets.enable_progress_bars()  # process-wide: the other tests keep their bars
+
+
+def test_the_tokenization_cache_sits_beside_the_file_it_copies_not_in_the_data_root(tmp_path):
+    """It went to <data root>/hf_cache: the E2E/DART folder ($DPMUON_DATA_DIR) got a tokenized copy of every user file."""
+    own = tmp_path / "mine"
+    own.mkdir()
+    path = write_jsonl(own / "rows.jsonl", ROWS)
+    data_root = tmp_path / "data_root"
+    data_root.mkdir()
+    HFReader(HFSettings.from_config({"files": {"train": str(path)}}, data_root=data_root), CharTokenizer(), progress=False).examples("train")
+    assert list(data_root.iterdir()) == []
+    assert len(list((own / hf_module.FILE_CACHE).rglob("cache-*.arrow"))) == 2  # the linearized rows and their token ids
+    assert HFSettings.from_config({"hub_id": "someone/tables"}, data_root).cache_dir == data_root / "hf_cache"  # downloads stay with the data
+
+
+def test_a_folder_that_cannot_take_the_cache_says_where_to_put_it(tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    (tmp_path / hf_module.FILE_CACHE).write_text("a file where the cache folder would go")
+    with pytest.raises(DataError, match=rf"^{path}: cannot write its tokenization cache .*; set dataset.cache_dir elsewhere$"):
+        HFReader(HFSettings.from_config({"files": {"train": str(path)}}, data_root=tmp_path), CharTokenizer(), progress=False).examples("train")

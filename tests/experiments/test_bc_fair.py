@@ -242,3 +242,30 @@ def test_the_split_rates_row_and_each_arms_step_length_ratio(tmp_path):
     # Per seed the median over steps (1.32, 1.42, 1.52), then over seeds; an arm without runs says so.
     assert f"- each at its best rate: {mean_ci([1.32, 1.42, 1.52]).replace('+', '')}" in table
     assert "- horizon (3 epochs): not run yet" in table
+
+
+def test_every_run_declares_its_seed_published_and_the_report_says_its_epsilon_is_no_guarantee(tmp_path):
+    """The seeds are committed (mechanism_seeds.json): each run's summary must say so, and the
+    report says what the committed summaries, written before that, do not."""
+    for contender in CONTENDERS:
+        for lr in RATES:
+            publish(tmp_path, contender, lr, nll=abs(lr - RATES[2]))
+    assert all("privacy.published_seed=true" in job.overrides for job in jobs(tmp_path, lambda seed: seed))
+    write_run(tmp_path / "finals", "dp_muon_seed2", mechanism_randomness="published seed — no guarantee")
+    write_run(tmp_path / "finals", "dp_muonbc_seed2", mechanism_randomness="user seed (the guarantee assumes it stays secret)")
+    (tmp_path / "public_pretraining").mkdir()
+    write_report(tmp_path)
+    text = (tmp_path / "fair.md").read_text()
+    assert "**Published seeds — no guarantee.**" in text and "not a privacy guarantee" in text
+    assert "1 of the 2 private runs' summaries, written before a run could declare its seed published, still say \"user seed" in text
+
+
+def test_a_rate_outside_a_contenders_grid_is_not_in_the_grid_not_yet_to_run(tmp_path):
+    for lr in RATES:  # DP-MuonBC's smallest rate wins: its grid, alone, grows below RATES[0]
+        publish(tmp_path, "dp_muonbc", lr, nll=lr)
+    below = RATES[0] / math.sqrt(2)
+    publish(tmp_path, "dp_muonbc", below, nll=0.5)
+    publish(tmp_path, "dp_muon", RATES[0], nll=0.1)
+    rows = {row[0]: row[1:] for row in table_rows(tuning_markdown(tmp_path))}
+    assert rows[f"{below:.4g}"] == ["not in the grid", "0.5005 (2)", "not in the grid"]
+    assert rows[f"{RATES[0]:.4g}"][2] == "not run yet"  # in DP-MuonBC (match_norm)'s grid, not yet run

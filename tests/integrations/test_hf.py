@@ -9,22 +9,29 @@ argument; a resume verifies and continues the ledger, replaying the steps after 
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 from pathlib import Path
 
 import accelerate.accelerator
 import datasets
 import pytest
 import torch
+from test_facade import PatternLots, padded, spy_on_the_engine
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.integrations import TensorBoardCallback
 
 import dpmuon
 from dpmuon.errors import UserError
-from dpmuon.integrations.hf import PRIVACY_RECORD, PRIVACY_SPENT, DPTrainer
+from dpmuon.facade import Lot
+from dpmuon.integrations.hf import PRIVACY_RECORD, PRIVACY_SPENT, WITHHELD, DPTrainer, rotate_checkpoints_by_step
 from dpmuon.models import Shape, build_random_lm, per_example_lm_loss
-from dpmuon.privacy import LEDGER_FILE
+from dpmuon.privacy import LEDGER_FILE, mechanism
 from dpmuon.privacy.accountant import epsilon_after
 from dpmuon.privacy.seed import MECHANISM_SEED_ENV
 from dpmuon.run_folder import MECHANISM_STATE
+from dpmuon.training.run_files import FROZEN_TIME, freeze_times
 
 N, LENGTH, VOCAB = 96, 8, 16
 SEED = 0x51DE_7A11_0123_4567_89AB_CDEF_0F1E  # ≥ 2^64: no weak-seed warning
@@ -268,3 +275,146 @@ def test_resume_without_the_secret_state_draws_fresh_lots_and_noise_and_charges_
     assert [(s, c) for s, c, _ in releases(run)] == [(s, True) for s in range(1, 6)] + [(5, True), (6, True)]
     plan = fresh.private.plan
     assert fresh.epsilon_spent() == pytest.approx(epsilon_after(plan.noise_multiplier, plan.sample_rate, 7, plan.delta, "rdp", plan.slack), rel=1e-9)
+
+
+# ---- times: step times track the secret lots, so nothing written, logged or returned dates a step ------------
+
+
+def all_times(run: Path) -> set[float]:
+    return {os.lstat(path).st_mtime for path in [run, *run.rglob("*")]}
+
+
+class TimesAtSave(TrainerCallback):
+    """The modification times under output_dir right after each checkpoint is written."""
+
+    def __init__(self, run: Path):
+        self.run, self.seen = run, []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.seen.append(all_times(self.run))
+
+
+def test_every_file_and_folder_under_output_dir_has_the_frozen_time_after_each_checkpoint_and_at_the_end(tmp_path):
+    run = tmp_path / "run"
+    t = trainer(run, max_steps=4, save_strategy="steps", save_steps=2, save_total_limit=1)
+    at_save = TimesAtSave(run)
+    t.add_callback(at_save)
+    t.train()
+    assert len(at_save.seen) == 2 and all(seen == {FROZEN_TIME} for seen in at_save.seen)
+    assert [p.name for p in run.glob("checkpoint-*")] == ["checkpoint-4"]
+    assert (run / PRIVACY_SPENT).is_file() and (run / LEDGER_FILE).is_file() and (run / "checkpoint-4" / PRIVACY_RECORD).is_file()
+    assert all_times(run) == {FROZEN_TIME}  # output_dir itself, checkpoint-N/ and their files, the ledger, privacy_spent.json
+    t.save_model()  # the usual next line of a script
+    assert (run / "model.safetensors").is_file() and all_times(run) == {FROZEN_TIME}
+
+
+def test_checkpoints_are_rotated_by_step_number_since_their_times_are_all_frozen(tmp_path):
+    for step in (8, 9, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    freeze_times(tmp_path)  # by mtime, then name, Trainer's rotation would keep checkpoint-9 and drop checkpoint-10
+    rotate_checkpoints_by_step(tmp_path, 2, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-9"]
+    rotate_checkpoints_by_step(tmp_path, 1, str(tmp_path / "checkpoint-9"))  # the best is kept, and the last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-9"]
+
+
+TIME_OR_MACHINE = re.compile(r"time|runtime|per_second|seconds|_mem_")
+
+
+def keys(obj) -> set[str]:
+    if isinstance(obj, dict):
+        return set(obj).union(*map(keys, obj.values())) if obj else set()
+    return set().union(*map(keys, obj)) if isinstance(obj, list) and obj else set()
+
+
+def test_no_time_speed_or_memory_is_logged_written_or_returned_and_the_train_loss_is_withheld(tmp_path, capsys):
+    run = tmp_path / "run"
+    t = trainer(run, max_steps=2, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2, disable_tqdm=False)
+    assert t.args.disable_tqdm and "disable_tqdm set to True" in capsys.readouterr().err  # the bar shows elapsed times and it/s
+    result = t.train()
+    evaluated = t.evaluate()
+    state = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())
+    published = keys(t.state.log_history) | keys(state) | set(result.metrics) | set(evaluated)
+    assert "epsilon" in published and "eval_loss" in published
+    assert not {key for key in published if TIME_OR_MACHINE.search(key)}
+    # Trainer's training_loss would be the mean of training_step's zeros: NaN, said "withheld".
+    assert math.isnan(result.training_loss) and result.metrics["train_loss"] == WITHHELD
+
+
+def test_with_publish_timing_trainers_speed_metrics_are_kept(tmp_path):
+    t = DPTrainer(
+        model=tiny_model(), args=arguments(tmp_path / "run", max_steps=2), train_dataset=counting(N, seed=1), data_collator=collate,
+        privacy=PRIVACY, publish_timing=True,
+    )  # fmt: skip
+    result = t.train()
+    assert result.metrics["train_runtime"] > 0 and os.lstat(tmp_path / "run").st_mtime != FROZEN_TIME
+
+
+@pytest.mark.parametrize(
+    "report_to, callbacks",
+    [(["wandb"], None), (["tensorboard", "mlflow"], None), ([], [TensorBoardCallback])],
+)  # fmt: skip
+def test_reporting_integrations_are_refused_unless_timing_is_published(tmp_path, report_to, callbacks):
+    args = arguments(tmp_path / "run", report_to=report_to)
+    with pytest.raises(UserError) as refused:
+        DPTrainer(model=tiny_model(), args=args, train_dataset=counting(N, seed=1), data_collator=collate, privacy=PRIVACY, callbacks=callbacks)
+    message = str(refused.value)
+    assert "report_to=[" in message and "wall time" in message and "publish_timing=True" in message and "\n" not in message
+    assert not (tmp_path / "run" / LEDGER_FILE).exists()
+
+
+def test_memory_metrics_are_refused_unless_timing_is_published(tmp_path):
+    with pytest.raises(UserError, match=r"^DPTrainer: skip_memory_metrics=False: the memory a step takes tracks its secret lot.*publish_timing=True$"):
+        trainer(tmp_path / "run", skip_memory_metrics=False)
+
+
+def test_wandb_with_published_timing_collects_no_system_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB__DISABLE_STATS", "")  # recorded, so that the value the trainer sets is undone after the test
+    monkeypatch.delenv("WANDB__DISABLE_STATS")
+    args = arguments(tmp_path / "run", report_to=["wandb"])
+    DPTrainer(model=tiny_model(), args=args, train_dataset=counting(N, seed=1), data_collator=collate, privacy=PRIVACY, publish_timing=True)
+    assert os.environ["WANDB__DISABLE_STATS"] == "true"  # W&B's x_disable_stats, read when its run starts
+
+
+def test_a_collator_without_labels_is_refused_in_one_line_naming_it(tmp_path):
+    def collate_without_labels(rows):
+        return {k: v for k, v in collate(rows).items() if k != "labels"}
+
+    t = DPTrainer(
+        model=tiny_model(), args=arguments(tmp_path / "run"), train_dataset=counting(N, seed=1), data_collator=collate_without_labels, privacy=PRIVACY
+    )
+    with pytest.raises(UserError) as refused:
+        t.train()
+    message = str(refused.value)
+    assert "data_collator=" in message and "collate_without_labels returned ['attention_mask', 'input_ids'] without 'labels'" in message
+    assert "\n" not in message and "DataCollatorForLanguageModeling" in message
+    assert releases(tmp_path / "run") == []  # nothing released, nothing charged
+
+
+def test_constant_time_steps_run_the_same_micro_batches_whatever_the_lot(tmp_path, monkeypatch):
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots([1, 1000, 0], max_lot_size))
+    seen = spy_on_the_engine(monkeypatch)
+    t = trainer(tmp_path / "run", max_steps=3)
+    t.train()
+    bound, micro = t.private.plan.max_lot_size, t.args.per_device_train_batch_size
+    per_step = -(-bound // micro)
+    assert len(seen) == 3 * per_step and len({tuple(sorted((k, v) for k, v in b.items() if k != "examples")) for b in seen}) == 1
+    assert [sum(b["examples"] for b in seen[i : i + per_step]) for i in range(0, len(seen), per_step)] == [1, bound, 0]
+    assert [s for s, _, _ in releases(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_a_collator_padding_to_each_batchs_longest_example_is_refused_and_a_hand_built_lot_too(tmp_path):
+    def longest(rows):
+        return padded([r["input_ids"] for r in rows], width=None)
+
+    varied = [{"input_ids": r["input_ids"][: 1 + i % LENGTH]} for i, r in enumerate(counting(N, seed=1))]
+    settings = dict(model=tiny_model(), args=arguments(tmp_path / "run"), train_dataset=varied, data_collator=longest, privacy=PRIVACY)
+    with pytest.raises(UserError, match=r"^make_private: constant_time=True needs one shape .*data_collator.*padding='max_length'") as refused:
+        DPTrainer(**settings)
+    assert "\n" not in str(refused.value)
+    t = DPTrainer(**{**settings, "model": tiny_model(), "privacy": {**PRIVACY, "constant_time": False}})
+    lot = next(iter(t.get_train_dataloader()))
+    with pytest.raises(UserError, match=r"^release\(\): lot 1 was not drawn"):
+        t.training_step(t.model, Lot(1, list(lot.indices), lot.micro_batch_size, lot.micro_batches))
+    t.training_step(t.model, lot)

@@ -30,13 +30,24 @@ def log_charge(n, q, steps, epsilon, bound):
     [(42057, 1024, 411, 8.0, 8e-6, 0), (42057, 256, 100, 128.0, 8e-6, 0), (42057, 256, 100, 1024.0, 8e-6, 5), (200, 16, 6, 8.0, 1e-3, 0)],
 )
 def test_bound_is_the_smallest_whose_charge_is_within_a_thousandth_of_delta(n, lot, steps, epsilon, delta, slack):
+    """The charge is that of the add/remove neighbour with N + 1 examples (its lots are the larger)."""
     q = lot / n
     bound, p = lot_bound(n, q, steps, epsilon, delta)
     allowed = math.log(DELTA_SHARE * delta)
-    assert log_charge(n, q, steps, epsilon, bound) <= allowed
-    assert log_charge(n, q, steps, epsilon, bound - 1 - slack) > allowed  # fewer rows would not do
-    assert p == pytest.approx(math.exp(exact_log_tail(n, q, bound)), rel=1e-6, abs=1e-300)
+    assert log_charge(n + 1, q, steps, epsilon, bound) <= allowed
+    assert log_charge(n + 1, q, steps, epsilon, bound - 1 - slack) > allowed  # fewer rows would not do
+    assert p == pytest.approx(math.exp(exact_log_tail(n + 1, q, bound)), rel=1e-6, abs=1e-300)
     assert lot < bound < n
+
+
+@pytest.mark.parametrize(("n", "lot"), [(157, 16), (185, 8), (185, 32)])
+def test_the_bound_covers_the_neighbour_with_one_example_more(n, lot):
+    """Sets where the smallest bound sufficient at N is not sufficient at N + 1: the neighbour's
+    lots, at the same q, would be truncated more often than the charge says."""
+    q, steps, epsilon, delta = lot / n, 6, 8.0, 1e-3
+    bound, p = lot_bound(n, q, steps, epsilon, delta)
+    assert log_charge(n + 1, q, steps, epsilon, bound) <= math.log(DELTA_SHARE * delta)
+    assert p >= math.exp(exact_log_tail(n + 1, q, bound)) * (1 - 1e-9)
 
 
 def test_tail_matches_sampled_lots_and_never_underestimates_past_float_range():
@@ -52,6 +63,6 @@ def test_tail_matches_sampled_lots_and_never_underestimates_past_float_range():
 
 
 def test_a_lot_of_everything_needs_no_truncation():
-    assert lot_bound(100, 1.0, 5, 8.0, 1e-3) == (100, 0.0)
+    assert lot_bound(100, 1.0, 5, 8.0, 1e-3) == (101, 0.0)  # the neighbour with 101 examples: every one in its lot
     with pytest.raises(ValueError, match="q"):
         lot_bound(100, 0.0, 5, 8.0, 1e-3)

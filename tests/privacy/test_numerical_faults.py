@@ -43,7 +43,14 @@ def test_privatizer_release_stays_finite_and_reports_the_dropped_example():
     model = tiny_gpt2()
     partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.5)
     pz = Privatizer(model, partition, noise_multiplier=1.0, expected_lot_size=5, sample_rate=0.1, accountant=PrivacyAccountant(1e-5))
-    stats = pz.release([token_batch(5, seed=1)], poisoned(0, float("nan")))
+    batch = token_batch(5, seed=1)
+    first = batch["input_ids"][0]
+
+    def loss_fn(model, rows):  # NaN for one example by what it holds: a NaN by position couples the rows (refused)
+        losses = per_example_lm_loss(model, rows)
+        return losses * torch.where((rows["input_ids"] == first).all(1), float("nan"), 1.0)
+
+    stats = pz.release([batch], loss_fn)
     assert stats.nonfinite == 1 and stats.lot_size == 5
     assert all(torch.isfinite(p.grad).all() for p in pz.params.values())
     assert stats.train_loss == stats.train_loss  # the NaN loss is excluded from the mean

@@ -37,10 +37,13 @@ ratio "in" vs "out" of the releases along c: per step, the canary was sampled wi
 q if in, and the release along c is 1 + noise if sampled, noise otherwise — the Neyman–Pearson
 test for one canary. Validity never depends on the score; only power does.
 
-Two white-box conformance checks ride along (not privacy bounds): the released noise std on
-the coordinates of canaries not drawn in a step (pure noise under the claim), and the lots'
-total size against Binomial(N·T, q). They catch what one run cannot: noise a few percent low,
-lots drawn at the wrong rate (results/audit/README.md).
+Four white-box conformance checks ride along (not privacy bounds): the released noise std on
+the coordinates of canaries not drawn in a step (pure noise under the claim); the lots' total
+size against Binomial(N·T, q); and independence across steps — the noise of every pair of
+steps uncorrelated on their common pure-noise coordinates (an exact Student-t test), and no two
+lots sharing more examples than Binomial(N, q²) allows. They catch what one run cannot: noise
+a few percent low, lots drawn at the wrong rate, a noise draw or a lot reused (ε = ∞, or far
+above the claim, though every single release looks right; results/audit/README.md).
 
 Layout: `bound` (the (ε, δ) one-run bound and the auditor's score: statistics only), `fdp` (the
 f-DP and Gaussian-DP tests: statistics only), `canaries` (the audited training runs, their
@@ -82,6 +85,8 @@ from .canaries import (
     engine_mutation,
     expected_verdict,
     lot_rate_p_value,
+    lot_reuse_p_value,
+    noise_reuse_p_value,
     run_audits,
     train_and_score,
 )
@@ -140,7 +145,9 @@ __all__ = [
     "gdp_profile",
     "guess_counts",
     "lot_rate_p_value",
+    "lot_reuse_p_value",
     "membership_guesses",
+    "noise_reuse_p_value",
     "one_run_audit",
     "one_run_epsilon_lower_bound",
     "one_run_fdp_audit",

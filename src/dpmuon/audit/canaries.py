@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy import stats
+from scipy import sparse, stats
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
@@ -51,6 +51,11 @@ class Mutation:
     threshold_factor: float = 1.0  # every C_W × this (no_clip: far above any gradient)
     lot_factor: float = 1.0  # the sampler draws lots at q × this; the privatizer and accountant keep q
     linear_norm_divisor: float = 1.0  # the fast engine's per-example Linear/Conv1D norms ÷ this
+    # The mechanism's secret stream restored to its first state before every step — the bug of a
+    # state reloaded (or a generator re-created from its key) each step: the same noise draw, or
+    # the same lot, every step instead of independent ones.
+    noise_reused: bool = False
+    lot_reused: bool = False
 
 
 # The no_clip mutation's threshold as a multiple of C: far above any gradient the audit's models
@@ -67,6 +72,8 @@ MUTATIONS: dict[str, Mutation] = {
     "per_block_noise": Mutation("broken: noise per block (σ·C_W, not σ·Δ)", per_block_noise=True),
     "linear_norms_low": Mutation("broken: Linear/Conv1D norms ÷ 10", linear_norm_divisor=10.0),
     "no_clip": Mutation("broken: clipping off", noise_scale=1 / UNCLIPPED_HEADROOM, threshold_factor=UNCLIPPED_HEADROOM),
+    "noise_reused": Mutation("broken: one noise draw reused every step", noise_reused=True),
+    "lot_reused": Mutation("broken: one lot reused every step", lot_reused=True),
 }
 BREAKS = tuple(MUTATIONS)
 BREAK_LABELS = {key: mutation.label for key, mutation in MUTATIONS.items()}
@@ -401,7 +408,7 @@ MUTATION_SCENARIO = _dirac(
     model="blocks",
     blocks=6,
     micro_batch_size=512,
-    breaks=("none", "noise_0.8", "noise_0.9", "lots_2q", "per_block_noise", "linear_norms_low", "no_clip"),
+    breaks=("none", "noise_0.8", "noise_0.9", "lots_2q", "per_block_noise", "linear_norms_low", "no_clip", "noise_reused", "lot_reused"),
 )
 MUTATION_SCENARIO = replace(MUTATION_SCENARIO, guess_fractions=BLOCK_FRACTIONS)
 
@@ -414,7 +421,7 @@ MODES: dict[str, tuple[AuditSetup, ...]] = {
             ordinary=500,
             expected_lot_size=25,
             steps=40,
-            breaks=("none", "per_block_noise", "linear_norms_low", "lots_2q"),
+            breaks=("none", "per_block_noise", "linear_norms_low", "lots_2q", "noise_0.8", "noise_reused", "lot_reused"),
         ),
         _dirac("dirac-fast", 30_000, 0.005, 200, 0.02, blocks=3),
         _dirac("dirac-opacus", 2000, 0.01, 100, 0.2, ordinary=500, blocks=2, engine="opacus", breaks=("none", "tenth_noise", "no_clip")),
@@ -508,8 +515,13 @@ def true_epsilon(mutation: Mutation, model: nn.Module, claimed: BlockPartition, 
     where s_W — how far past C_W an example can get in block W — is the norm divisor in the
     Linear/Conv1D blocks (a gradient that large is clipped to s_W·C_W) and 1 elsewhere.
     ∞ for clipping off (unbounded sensitivity) and below σ = TINY_SIGMA, where ε is in the
-    hundreds and the PRV accountant takes minutes and then often gives up (returns ∞) itself."""
-    if mutation.threshold_factor != 1.0:
+    hundreds and the PRV accountant takes minutes and then often gives up (returns ∞) itself.
+
+    Noise reused: ∞ — two releases share their noise, so their difference is the noise-free
+    difference of two clipped sums. Lot reused: one Poisson draw, then T releases of the same lot
+    with fresh noise — for an example in it, T Gaussians at once: one subsampled Gaussian step at
+    rate q with multiplier σ/√T."""
+    if mutation.threshold_factor != 1.0 or (mutation.noise_reused and setup.steps > 1):
         return math.inf
     affine = {
         f"{name}.{attribute}"
@@ -519,13 +531,16 @@ def true_epsilon(mutation: Mutation, model: nn.Module, claimed: BlockPartition, 
     }
     reach = [mutation.linear_norm_divisor if set(block.params) & affine else 1.0 for block in claimed.blocks]
     sigma = 1 / math.sqrt(sum((s * block.threshold / std) ** 2 for s, block, std in zip(reach, claimed.blocks, stds)))
+    steps = setup.steps
+    if mutation.lot_reused:
+        sigma, steps = sigma / math.sqrt(steps), 1
     if sigma < TINY_SIGMA:
         return math.inf
     with warnings.catch_warnings():
         # A gross mutation's σ is tiny and its ε huge: PRV's internal RDP bound then sits at its
         # smallest order and says so — harmless for a number reported as "far above the claim".
         warnings.filterwarnings("ignore", message="Optimal order is the smallest alpha")
-        return epsilon_after(sigma, min(1.0, setup.sample_rate * mutation.lot_factor), setup.steps, setup.delta, setup.accountant)
+        return epsilon_after(sigma, min(1.0, setup.sample_rate * mutation.lot_factor), steps, setup.delta, setup.accountant)
 
 
 @contextlib.contextmanager
@@ -586,6 +601,8 @@ class Scores:
     noise_squares: float  # Σ z² over the canary coordinates of undrawn slots, z = value / claimed release std
     noise_values: int  # how many such values
     true_epsilon: float  # what the mechanism as run really spends (`true_epsilon`)
+    noise_reuse_p_value: float  # the white-box check that each step's noise is a fresh draw
+    lot_reuse_p_value: float  # the white-box check that each step's lot is a fresh draw
 
 
 def train_and_score(setup: AuditSetup, included: np.ndarray, noise_multiplier: float, breakage: str, seeds: Seeds) -> Scores:
@@ -596,32 +613,47 @@ def train_and_score(setup: AuditSetup, included: np.ndarray, noise_multiplier: f
     internals: the auditor tests what the accountant was told.
     """
     world: CanaryWorld = WORLDS[setup.model](setup, included, torch.Generator().manual_seed(seeds.data))
+    mutation = MUTATIONS[breakage]
     claimed = world.partition(setup.clip_norm)
     assumed_noise_std = noise_multiplier / setup.score_noise_divisor * claimed.sensitivity
-    privatizer = build_mechanism(world, setup, noise_multiplier, breakage, SecretStream(seeds.noise))
+    noise_stream = SecretStream(seeds.noise)
+    privatizer = build_mechanism(world, setup, noise_multiplier, breakage, noise_stream)
     sampler = build_sampler(world, setup, SecretStream(seeds.sampling), breakage)
+    first_noise, first_lot = noise_stream.state_dict(), sampler.state_dict()
     optimizer = torch.optim.SGD(world.model.parameters(), lr=setup.lr)  # post-processing of g̃
     claimed_release_std = noise_multiplier * claimed.sensitivity / setup.expected_lot_size  # per entry of p.grad
     scores = np.zeros(setup.canaries)
     sampled, noise_squares, noise_values = 0, 0.0, 0
+    lots, tracked, tracked_undrawn = [], [], []  # for the independence checks
     try:
         with engine_mutation(breakage, setup.engine):
             for _ in range(setup.steps):
+                if mutation.lot_reused:
+                    sampler.load_state_dict(first_lot)
+                if mutation.noise_reused:
+                    noise_stream.load_state_dict(first_noise)
                 lot = sampler.next_lot()
                 sampled += len(lot)
+                lots.append(lot)
                 privatizer.release(_micro_batches(world, lot, setup.micro_batch_size), world.loss)
                 projection, norm = world.canary_projections(claimed, setup.expected_lot_size)
                 scores += sampled_release_log_likelihood_ratio(projection, norm / assumed_noise_std, setup.sample_rate)
                 undrawn = np.ones(setup.canaries, dtype=bool)
                 undrawn[[slot for slot in lot if slot < setup.canaries]] = False
-                noise = world.canary_release()[undrawn] / claimed_release_std
+                release = world.canary_release() / claimed_release_std
+                noise = release[undrawn]
                 noise_squares += float(np.square(noise).sum())
                 noise_values += noise.size
+                rows = min(setup.canaries, -(-TRACKED_NOISE_VALUES // release.shape[1]))
+                tracked.append(release[:rows].ravel())
+                tracked_undrawn.append(np.repeat(undrawn[:rows], release.shape[1]))
                 optimizer.step()
     finally:
         privatizer.close()
-    spent = true_epsilon(MUTATIONS[breakage], world.model, claimed, privatizer.block_stds, setup)
-    return Scores(scores, privatizer.epsilon(), sampled, noise_squares, noise_values, spent)
+    spent = true_epsilon(mutation, world.model, claimed, privatizer.block_stds, setup)
+    noise_reuse = noise_reuse_p_value(np.stack(tracked), np.stack(tracked_undrawn))
+    lot_reuse = lot_reuse_p_value(lots, setup.dataset_size, setup.sample_rate)
+    return Scores(scores, privatizer.epsilon(), sampled, noise_squares, noise_values, spent, noise_reuse, lot_reuse)
 
 
 def noise_p_value(squares: float, values: int) -> float:
@@ -643,12 +675,76 @@ def lot_rate_p_value(sampled: int, setup: AuditSetup) -> float:
     return float(min(1.0, 2 * min(low, high)))
 
 
+# Values of each release the noise-reuse check follows: the first canaries' coordinates (all of
+# them in every block), enough that a repeated draw stands out by ~100 standard errors.
+TRACKED_NOISE_VALUES = 8192
+
+
+def noise_reuse_p_value(values: np.ndarray, undrawn: np.ndarray) -> float:
+    """Bonferroni p-value, over all pairs of steps, of "each step's noise is a fresh draw".
+
+    values[t, i]: release t at coordinate i, known to be pure noise where undrawn[t, i] (no lot
+    member touches it: its clipped sum is exactly 0). Under the claim the noise of step t is
+    Gaussian, centred and independent of every other step's, so for s < t the cosine r between the
+    two steps' noise on their common pure-noise coordinates (n of them) is that of a fixed vector
+    and an isotropic random one: r·√(n−1)/√(1−r²) is exactly Student-t with n − 1 degrees of
+    freedom, whatever the noise scale. A draw reused (r = 1), negated, or mixed into another step
+    is flagged; n ≈ 10⁴ resolves |r| ≈ 0.05. Not a privacy bound — a white-box conformance check of
+    what the accountant assumes: T independent releases."""
+    steps = len(values)
+    if steps < 2:
+        return 1.0
+    noise = np.where(undrawn, values, 0.0)
+    common = undrawn.astype(np.float64)
+    cross, shared, energy = noise @ noise.T, common @ common.T, np.square(noise) @ common.T  # energy[s, t]: Σ z_s² over the common ones
+    s, t = np.triu_indices(steps, 1)
+    n = shared[s, t]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.clip(cross[s, t] / np.sqrt(energy[s, t] * energy[t, s]), -1.0, 1.0)
+        statistic = np.abs(r) * np.sqrt((n - 1) / (1 - np.square(r)))
+    usable = (n >= 2) & np.isfinite(r)
+    if not usable.any():
+        return 1.0
+    p = 2 * stats.t.sf(statistic[usable], n[usable] - 1)
+    return float(min(1.0, usable.sum() * p.min()))
+
+
+def lot_reuse_p_value(lots: list[list[int]], dataset_size: int, sample_rate: float) -> float:
+    """Bonferroni p-value, over all pairs of steps, of "each step's lot is a fresh Poisson draw".
+
+    Under the claim every example joins each lot independently with probability q, so two lots
+    share Binomial(N, q²) examples (q·L on average: 0.25 in quick mode). A lot reused shares all
+    of itself. The check is deterministic, not by chance: it flags exactly when some pair shares
+    at least k* examples, k* the smallest count with pairs·P(Binomial(N, q²) ≥ k*) below the level
+    (6 in quick mode's block scenario, 7 in the mutation audit), so a lot of L ≈ 25 repeated even
+    once is caught whenever it has k* members (a Poisson(25) lot has fewer w.p. 1e-6) — the lot-rate check
+    sees a repeated lot only if its size happens to be far from L. Not a privacy bound — a
+    white-box conformance check of the sampler the accountant assumes."""
+    steps = len(lots)
+    if steps < 2:
+        return 1.0
+    members = np.concatenate([np.asarray(lot, dtype=np.int64) for lot in lots])
+    rows = np.repeat(np.arange(steps), [len(lot) for lot in lots])
+    incidence = sparse.csr_matrix((np.ones(len(members)), (rows, members)), shape=(steps, dataset_size))
+    overlaps = (incidence @ incidence.T).toarray()[np.triu_indices(steps, 1)]
+    largest = int(round(overlaps.max()))
+    return float(min(1.0, len(overlaps) * stats.binom.sf(largest - 1, dataset_size, sample_rate**2)))
+
+
 # Mutations a one-run audit of this design cannot refute at ε = 2, and why (results/audit/README.md):
 # they raise the true ε mostly through the privacy-loss distribution's tail — events of
 # probability ~δ — which m ≈ 10⁴ canaries do not sample; at the guessing rates the canaries do
 # reach, the mutated trade-off curves stay within the claimed one. The white-box conformance
 # checks catch them instead: the noise check (noise × 0.8, × 0.9), the sampler check (lots at 2q).
-ONE_RUN_BLIND = {"noise_0.8": "noise", "noise_0.9": "noise", "lots_2q": "sampler"}
+# Reused noise or lots break the independence across steps that the accountant's composition
+# assumes; the per-release score cannot see it, the independence checks do.
+ONE_RUN_BLIND = {
+    "noise_0.8": "noise",
+    "noise_0.9": "noise",
+    "lots_2q": "sampler",
+    "noise_reused": "noise_reuse",
+    "lot_reused": "lot_reuse",
+}
 # The conformance checks flag a run below this p-value (strict: 5% would flag one correct run in 20).
 CONFORMANCE_LEVEL = 1e-3
 
@@ -670,6 +766,8 @@ class AuditResult:
     noise_std_ratio: float  # released noise std / claimed, on undrawn canary coordinates
     noise_p_value: float  # the white-box noise check (not a privacy bound)
     lot_rate_p_value: float  # the white-box sampler check (not a privacy bound)
+    noise_reuse_p_value: float  # the white-box check that steps draw independent noise
+    lot_reuse_p_value: float  # the white-box check that steps draw independent lots
     seconds: float
     method: str = METHOD
 
@@ -689,12 +787,30 @@ class AuditResult:
         return self.noise_p_value < CONFORMANCE_LEVEL
 
     @property
+    def noise_reuse_flagged(self) -> bool:
+        return self.noise_reuse_p_value < CONFORMANCE_LEVEL
+
+    @property
+    def lot_reuse_flagged(self) -> bool:
+        return self.lot_reuse_p_value < CONFORMANCE_LEVEL
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        """Each white-box conformance check (ONE_RUN_BLIND's names): whether it flagged the run."""
+        return {
+            "noise": self.noise_flagged,
+            "sampler": self.sampler_flagged,
+            "noise_reuse": self.noise_reuse_flagged,
+            "lot_reuse": self.lot_reuse_flagged,
+        }
+
+    @property
     def verdict(self) -> str:
         return "DETECTED: claim refuted" if self.detected else "PASS: claim stands"
 
     def to_dict(self) -> dict[str, Any]:
-        flags = {"detected": self.detected, "noise_flagged": self.noise_flagged, "sampler_flagged": self.sampler_flagged}
-        return {**asdict(self), **flags, "verdict": self.verdict}
+        flags = {f"{check}_flagged": flagged for check, flagged in self.flags.items()}
+        return {**asdict(self), "detected": self.detected, **flags, "verdict": self.verdict}
 
 
 def calibrated_noise_multiplier(setup: AuditSetup) -> float:
@@ -728,6 +844,8 @@ def audit_mechanism(setup: AuditSetup, breakage: str, noise_multiplier: float | 
         noise_std_ratio=noise_std_ratio,
         noise_p_value=noise_p_value(run.noise_squares, run.noise_values),
         lot_rate_p_value=lot_rate_p_value(run.sampled, setup),
+        noise_reuse_p_value=run.noise_reuse_p_value,
+        lot_reuse_p_value=run.lot_reuse_p_value,
         seconds=time.perf_counter() - start,
     )
 
@@ -739,13 +857,11 @@ def run_audits(setup: AuditSetup, breakages: tuple[str, ...] | None = None) -> l
 
 
 def expected_verdict(result: AuditResult) -> bool:
-    """The correct mechanism must pass the audit and both checks; a mutated one must be caught —
+    """The correct mechanism must pass the audit and every check; a mutated one must be caught —
     by the audit wherever the design can refute the claim, else by the check named for it."""
     if result.mutation == "none":
-        return not (result.detected or result.noise_flagged or result.sampler_flagged)
+        return not (result.detected or any(result.flags.values()))
     check = ONE_RUN_BLIND.get(result.mutation)
-    if check == "noise":
-        return result.detected or result.noise_flagged
-    if check == "sampler":
-        return result.detected or result.sampler_flagged
+    if check is not None:
+        return result.detected or result.flags[check]
     return result.detected or result.ceiling <= result.claimed_epsilon

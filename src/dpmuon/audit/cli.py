@@ -5,13 +5,15 @@ Privatizer's clipping + calibrated noise + accountant, SGD on the release), scor
 canary by the likelihood ratio of all its releases, and turns a membership test on the
 canaries into lower bounds at confidence 1 − β (see dpmuon.audit). The verdict is the f-DP
 claim test (dpmuon.audit.fdp): the accountant's whole privacy profile for (σ, q, T), refuted or
-not. The correct mechanism must pass it and both white-box checks (noise std, lot rate); each
+not. The correct mechanism must pass it and every white-box check (noise std, lot rate, noise
+and lots independent across steps); each
 mutation (`--mutation`, MUTATIONS) must be caught — by the audit where one run can refute the
 claim, else by the check named for it (canaries.ONE_RUN_BLIND).
 
     python -m dpmuon.audit.cli                             # quick mode, for CI
     python -m dpmuon.audit.cli --mode mutations --json results/audit/mutations.json --markdown results/audit/mutations.md
     python -m dpmuon.audit.cli --mode mutations --mutation noise_0.8 --seed-offset 10
+    python -m dpmuon.audit.cli --mode quick --mutation noise_reused       # = make audit-quick MUTATION=noise_reused
     python -m dpmuon.audit.cli --from-json results/audit/mutations.json --markdown results/audit/mutations.md
 
 Exit status 1 when a verdict is not the expected one (the correct mechanism flagged, or a
@@ -92,7 +94,8 @@ def markdown_report(summary: dict) -> str:
             "",
             f"Method: {summary['method']}. Verdict: the accountant's claim — its privacy profile for (σ, q, T) and its "
             "(ε, δ) — is refuted at the stated confidence (`claim p` < 0.05). `lot-rate p`: the white-box sampler "
-            "check, not a privacy bound.",
+            "check; `noise-reuse p`, `lot-reuse p`: the white-box checks that steps draw independent noise and lots "
+            "(— where the summary predates them); none is a privacy bound.",
             "",
             f"Command: `{summary['command']}` — wall time {summary['wall_seconds'] / 60:.1f} min.",
             "",

@@ -47,6 +47,8 @@ TABLE_HEADER = (
     "verdict",
     "noise std ratio (p)",
     "lot-rate p",
+    "noise-reuse p",
+    "lot-reuse p",
     "seconds",
 )
 
@@ -77,10 +79,19 @@ def table_rows(results: list[AuditResult] | list[dict[str, Any]]) -> list[tuple[
                 r["verdict"],
                 f"{r['noise_std_ratio']:.4f} ({r['noise_p_value']:.2g})" + (" FLAGGED" if r["noise_flagged"] else ""),
                 f"{r['lot_rate_p_value']:.2g}" + (" FLAGGED" if r["sampler_flagged"] else ""),
+                _check_cell(r, "noise_reuse"),
+                _check_cell(r, "lot_reuse"),
                 f"{r['seconds']:.0f}",
             )
         )
     return rows
+
+
+def _check_cell(r: dict[str, Any], check: str) -> str:
+    """A check's p-value and flag; "—" in a summary saved before the check existed."""
+    if f"{check}_p_value" not in r:
+        return "—"
+    return f"{r[f'{check}_p_value']:.2g}" + (" FLAGGED" if r[f"{check}_flagged"] else "")
 
 
 def format_table(rows: list[tuple[str, ...]]) -> str:

@@ -233,7 +233,7 @@ FIXED: tuple[Option, ...] = (
     Choice("privacy.accountant", ("prv", "rdp"), "privacy accountant"),
     Float("privacy.noise_multiplier", "σ (null: calibrated from ε, δ, q and the steps)", nullable=True, gt=0),
     Int("privacy.expected_lot_size", "expected lot size (q = lot / N)", ge=1),
-    Choice("privacy.sampling", ("poisson", "shuffle"), "lot sampling (shuffle is not covered by the accountant)"),
+    Choice("privacy.sampling", ("poisson", "shuffle"), "lot sampling (shuffle: fixed-size lots the accountant does not cover, refused for private runs)"),
     Choice("privacy.clip_mode", ("per_matrix", "flat"), "per-matrix thresholds or one global threshold"),
     Float("privacy.clip_norm", "total clipping threshold C", gt=0),
     Choice("privacy.threshold_rule", ("split", "scalar", "by_size"), "how C is split over blocks"),
@@ -244,6 +244,7 @@ FIXED: tuple[Option, ...] = (
     Bool("privacy.secure_noise", "lots and noise from the OS CSPRNG (nothing seeded; slower)"),
     Bool("privacy.constant_time", "pad every lot to a fixed bound and fixed shapes, so step time reveals nothing (costs the padding)"),
     Option("privacy.mechanism_seed_file", "text", "owner-only file holding the mechanism seed (null: $DPMUON_MECHANISM_SEED, else OS entropy)", nullable=True),
+    Bool("privacy.published_seed", "the mechanism seed is published (a measurement): the summary says its ε is no guarantee"),
     Bool("privacy.keep_mechanism_state", "keep <run>/mechanism_state.pt after the run completes"),
     # ---- trainer
     Choice("trainer.device", ("auto", "cpu", "cuda"), "where to train"),
@@ -416,10 +417,21 @@ def _check_known_keys(cfg: DictConfig, options: dict[str, Option]) -> None:
 
 
 def _check_sampling(cfg: DictConfig) -> None:
-    """Shuffled lots are drawn from a seeded permutation: the OS CSPRNG cannot draw them."""
-    secure = configured(cfg, "optimizer.private") is True and configured(cfg, "privacy.secure_noise") is True
-    if secure and configured(cfg, "privacy.sampling") == "shuffle":
-        raise ConfigError("privacy.sampling", "shuffle", "cannot be drawn from the OS CSPRNG (privacy.secure_noise=true)", "poisson (or secure_noise=false)")
+    """A private run samples Poisson lots: fixed-size shuffled lots are not what the accountant
+    composes, so the ε it would report for them is no guarantee (make_private refuses them too,
+    unless told allow_shuffle_sampling=True). They are drawn from a seeded permutation besides,
+    which the OS CSPRNG of secure_noise cannot draw. A non-private run samples Poisson lots
+    whatever the key says (it has no accountant to mislead)."""
+    if configured(cfg, "optimizer.private") is not True or configured(cfg, "privacy.sampling") != "shuffle":
+        return
+    if configured(cfg, "privacy.secure_noise") is True:
+        raise ConfigError("privacy.sampling", "shuffle", "cannot be drawn from the OS CSPRNG (privacy.secure_noise=true)", "poisson")
+    raise ConfigError(
+        "privacy.sampling",
+        "shuffle",
+        "fixed-size shuffled lots are not covered by the Poisson-subsampled accountant, so a private run's ε would not be a guarantee",
+        "poisson",
+    )
 
 
 def _check_lot_fits(cfg: DictConfig) -> None:

@@ -1,4 +1,5 @@
-"""Your own table-to-text data through Hugging Face `datasets` (`dataset=hf`).
+"""Your own table-to-text data through Hugging Face `datasets` (the `HFDataset` settings; the
+committed example is `dataset=hf_example`, conf/dataset/hf_example.yaml).
 
 A local JSON / JSON Lines, CSV or text file per split (or a hub dataset id) holds rows of a
 source under `source_key` and one reference or a list of references under `target_key` (a
@@ -17,13 +18,19 @@ source lands in one split, whatever the order of the rows, and adding rows moves
 Tokenization runs through `Dataset.map`, cached under `cache_dir` with a fingerprint of the
 file's content (each content gets its own folder: a file rewritten under the same modification
 time, which `datasets` alone would take for unchanged, is read afresh), the column settings,
-the tokenizer and the encoding code: a second run on the same data skips it. The cache holds a tokenized copy of the (private) data: it sits with the
-project's data, never in a home-directory cache, unless configured there.
+the tokenizer and the encoding code: a second run on the same data skips it. The cache holds a
+tokenized copy of the (private) data, so by default it sits beside the file it copies (in
+`.dpmuon_cache/` in the file's folder, under the file's own protections), a hub dataset's under
+the data root with the other downloads; never in a home-directory cache, unless configured there.
+
+A file or hub split without a row (empty, only blank lines, a JSON `[]`, a CSV with only its
+header) is one line naming it, as is a column that no row holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +58,7 @@ SPLIT_NAMES = {"train": "train", "valid": "validation", "test": "test"}
 # Bands of the source hash that a split without a file takes from the train file, in units of `holdout_fraction`.
 HOLDOUT_BANDS = {"test": 0, "validation": 1}
 TEXT_COLUMN, TEXT_SEPARATOR = "text", "||"
+FILE_CACHE = ".dpmuon_cache"  # the tokenization cache's folder beside a file (dataset.cache_dir=null)
 
 
 @dataclass(kw_only=True)
@@ -73,7 +81,7 @@ class HFDataset(DatasetSettings):
     source_key: str = option("source", "the column holding the source (text, mapping or triples)")
     target_key: str = option("target", "the column holding the reference (text or list of texts)")
     holdout_fraction: float = option(0.1, "share of train sources hashed into each split given no file", gt=0, lt=0.5)
-    cache_dir: str | None = option(None, "where the tokenization cache goes (null: <data root>/hf_cache)")
+    cache_dir: str | None = option(None, f"where the tokenization cache goes (null: {FILE_CACHE}/ beside each file; a hub dataset's: <data root>/hf_cache)")
 
     def reader(self, data_root: Path, tokenizer, progress: bool = True) -> HFReader:
         return HFReader(HFSettings.from_config(dataclasses.asdict(self), data_root), tokenizer, progress=progress)
@@ -90,7 +98,7 @@ class HFSettings:
     source_key: str
     target_key: str
     holdout_fraction: float
-    cache_dir: Path
+    cache_dir: Path | None  # None: each file's own FILE_CACHE folder beside it
 
     @classmethod
     def from_config(cls, dataset: Mapping, data_root: str | PathLike[str]) -> HFSettings:
@@ -120,7 +128,7 @@ class HFSettings:
             source_key=str(dataset.get("source_key", "source")),
             target_key=str(dataset.get("target_key", "target")),
             holdout_fraction=holdout_fraction,
-            cache_dir=Path(cache_dir).expanduser() if cache_dir is not None else Path(data_root) / "hf_cache",
+            cache_dir=Path(cache_dir).expanduser() if cache_dir is not None else (Path(data_root) / "hf_cache" if hub_id is not None else None),
         )
 
 
@@ -198,6 +206,8 @@ class HFReader:
 
     def _linearized(self, name: str) -> datasets.Dataset:
         table, where = self._load(name), self._where(name)
+        if not table.num_rows:
+            raise self._no_rows(name, "the split is empty")
         columns = [TEXT_COLUMN] if self._builder(name) == "text" else [self.settings.source_key, self.settings.target_key]
         for column in columns:
             if column not in table.column_names:
@@ -235,12 +245,28 @@ class HFReader:
         import datasets
 
         path = self.settings.files[name]
-        cache_dir = self.settings.cache_dir / f"{self._builder(name)}-{file_digest(path)}"
+        if not holds_text(path):  # `datasets` would fail on it with a StopIteration or "no data"
+            raise self._no_rows(name, "the file is empty or only blank lines")
+        cache_dir = (self.settings.cache_dir or path.parent / FILE_CACHE) / f"{self._builder(name)}-{file_digest(path)}"
+        try:  # beside the file by default: its folder may be read-only (a shared data set)
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise DataError(f"{path}: cannot write its tokenization cache {cache_dir} ({error.strerror}); set dataset.cache_dir elsewhere") from error
         try:
             return datasets.load_dataset(self._builder(name), data_files={"train": str(path)}, split="train", cache_dir=str(cache_dir))
         except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as error:
             cause = error.__cause__ or error  # the generation error wraps the parser's, which says what is wrong
+            if "corresponds to no data" in str(cause):  # parsed to zero rows: a JSON [], a CSV header alone
+                raise self._no_rows(name, "it parses to zero rows: a JSON [] or a CSV header alone") from error
             raise DataError(f"{path}: cannot read it as {self._builder(name)} ({type(cause).__name__}: {one_line(cause)})") from error
+
+    def _no_rows(self, name: str, why: str) -> DataError:
+        if self._builder(name) == "text":
+            wanted = f"`source{TEXT_SEPARATOR}target` lines"
+        else:
+            wanted = f"rows with a {self.settings.source_key!r} and a {self.settings.target_key!r}"
+        given = f"dataset.files.{name}" if self.settings.hub_id is None else "dataset.hub_id"
+        return DataError(f"{self._where(name)}: holds no rows ({why}); {given} needs {wanted}")
 
 
 def builder_for(path: Path) -> str:
@@ -249,6 +275,16 @@ def builder_for(path: Path) -> str:
     if suffix.lower() not in BUILDERS:
         raise DataError(f"{path}: cannot tell the format from the extension {suffix!r}; set dataset.builder to json, csv or text")
     return BUILDERS[suffix.lower()]
+
+
+def holds_text(path: Path) -> bool:
+    """Whether the file (decompressed, for .gz) holds anything but whitespace; an unreadable
+    one counts as holding text, for `datasets` to say what is wrong with it."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as handle:
+            return any(block.strip() for block in iter(lambda: handle.read(1 << 16), b""))
+    except (OSError, EOFError):
+        return True
 
 
 def file_digest(path: Path) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dpmuon.data.errors import DataError
+from dpmuon.hub import local_files_only
 from dpmuon.jsontext import to_json
 
 TOKENIZER_VARIABLE = "DPMUON_TOKENIZER"
@@ -27,7 +28,7 @@ def load_tokenizer(name_or_path: str | None = None, bpe_merges: int | None = Non
     """
     name = name_or_path or os.environ.get(TOKENIZER_VARIABLE) or DEFAULT_TOKENIZER
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only(name))  # offline: fails in seconds, not a minute
     except OSError as error:
         raise DataError(
             f"cannot load the tokenizer {name!r} ({error}); without internet access, set ${TOKENIZER_VARIABLE} to a local tokenizer directory"

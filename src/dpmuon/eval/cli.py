@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dpmuon.eval.compare import write_comparisons
 from dpmuon.eval.curves import write_curves
-from dpmuon.eval.runs import Run, RunFormatError, find_runs
+from dpmuon.eval.runs import RunFormatError, find_runs
 from dpmuon.eval.snr import write_snr_plot
 from dpmuon.eval.sweeps import write_sweep_plots
 from dpmuon.eval.tables import write_tables
@@ -22,6 +22,12 @@ from dpmuon.paths import REPO_ROOT
 USAGE_ERROR = 2
 # The default output folder, inside the first RUNS_DIR: never the committed results/.
 DEFAULT_OUT = "report"
+# Options only some reports take (their write function's keyword of the same name).
+FLAGS = {
+    "pool": "average runs of one row/line that differ in a setting (steps, ε, lot size, optimizer settings…) or "
+    "repeat a seed; without it they are refused, naming the setting and the runs",
+    "train_loss": "also plot the train loss: for private runs a non-private diagnostic (owner-only, outside the guarantee), so it is off by default",
+}
 
 
 def tables_main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +38,7 @@ def tables_main(argv: Sequence[str] | None = None) -> int:
         "per (optimizer, model, target ε) with mean ± std over seeds, beside the paper's numbers.",
         write=write_tables,
         what="tables",
+        flags=("pool",),
     )
 
 
@@ -39,11 +46,13 @@ def curves_main(argv: Sequence[str] | None = None) -> int:
     return _main(
         argv,
         prog="make_curves.py",
-        description="Plot validation NLL (also each DP method's above the best DP method's), train loss and ε spent against step from every run's "
+        description="Plot validation NLL (also each DP method's above the best DP method's), ε spent and, with "
+        "--train-loss, the train loss against step from every run's "
         "metrics.jsonl into <out>/<dataset>/curves.png (plus one PNG per panel): mean over seeds "
         "with a min–max band, one line per (optimizer, model, target ε).",
         write=write_curves,
         what="figures",
+        flags=("pool", "train_loss"),
     )
 
 
@@ -78,6 +87,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         "BLEU and ROUGE-L, from every run's summary.json, into <out>/<dataset>/comparison.md.",
         write=write_comparisons,
         what="comparisons",
+        flags=("pool",),
     )
 
 
@@ -85,8 +95,9 @@ def _main(
     argv: Sequence[str] | None,
     prog: str,
     description: str,
-    write: Callable[[Sequence[Run], Path], list[Path]],
+    write: Callable[..., list[Path]],
     what: str,
+    flags: Sequence[str] = (),
 ) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("runs_dirs", nargs="+", type=Path, metavar="RUNS_DIR",
@@ -95,7 +106,10 @@ def _main(
                         help=f"output folder (default: RUNS_DIR/{DEFAULT_OUT}, beside the runs it reads)")  # fmt: skip
     parser.add_argument("--force", action="store_true",
                         help="replace committed files (tracked by git, or under the repository's results/)")  # fmt: skip
+    for flag in flags:
+        parser.add_argument(f"--{flag.replace('_', '-')}", action="store_true", help=FLAGS[flag])
     args = parser.parse_args(argv)
+    chosen = {flag: getattr(args, flag) for flag in flags}
     out = args.out if args.out is not None else args.runs_dirs[0] / DEFAULT_OUT
     try:
         if out.exists() and not out.is_dir():
@@ -103,7 +117,7 @@ def _main(
         runs = find_runs(args.runs_dirs)
         if not runs:
             raise RunFormatError(f"no runs (summary.json) found under {', '.join(map(str, args.runs_dirs))}")
-        written = _write_without_clobbering(lambda folder: write(runs, folder), out, args.force)
+        written = _write_without_clobbering(lambda folder: write(runs, folder, **chosen), out, args.force)
     except RunFormatError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return USAGE_ERROR

@@ -29,8 +29,8 @@ def paired_differences(a: Sequence[Run], b: Sequence[Run], metric: str) -> list[
     return [run.summary[metric] - by_seed[run.seed] for run in a if run.summary.get(metric) is not None and run.seed in by_seed]
 
 
-def comparison_markdown(dataset: str, runs: Sequence[Run]) -> str:
-    groups = group_runs(runs)
+def comparison_markdown(dataset: str, runs: Sequence[Run], pool: bool = False) -> str:
+    groups = group_runs(runs, pool)
     lines = [
         f"# {dataset}: paired differences between optimizers",
         "",
@@ -56,12 +56,12 @@ def comparison_markdown(dataset: str, runs: Sequence[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_comparisons(runs: Sequence[Run], out_dir: Path) -> list[Path]:
+def write_comparisons(runs: Sequence[Run], out_dir: Path, pool: bool = False) -> list[Path]:
     written = []
     for dataset, dataset_runs in runs_by_dataset(runs).items():
         folder = Path(out_dir) / dataset
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "comparison.md"
-        path.write_text(comparison_markdown(dataset, dataset_runs))
+        path.write_text(comparison_markdown(dataset, dataset_runs, pool))
         written.append(path)
     return written

@@ -7,8 +7,11 @@ by 0.01–0.15 in validation NLL, which an axis spanning the whole descent (and 
 reference) cannot show: the gap panel subtracts, at each step, the lowest DP mean and fits its
 axis to the second half of training. Each optimizer has its
 color and marker (DP methods share one ε curve, which would otherwise hide three of them), the
-ε panel marks the target ε, and a run whose values went non-finite is labelled diverged. Figures are built on matplotlib's Agg canvas directly,
-without pyplot, so no global backend state is touched.
+ε panel marks the target ε, and a run whose values went non-finite is labelled diverged. Every
+panel labels its y axis; a panel with nothing logged is left out. The train loss of a private run
+is a non-private diagnostic (outside its guarantee): its panel is drawn only when asked for
+(`train_loss=True`, make_curves.py --train-loss) and says so in its title. Figures are built on
+matplotlib's Agg canvas directly, without pyplot, so no global backend state is touched.
 """
 
 from __future__ import annotations
@@ -41,8 +44,6 @@ OPTIMIZER_MARKERS = {name: _MARKERS[i % len(_MARKERS)] for i, name in enumerate(
 MARKED_POINTS = 8
 BAND_NOTE = "line: mean over seeds; band: min–max over seeds"
 ONE_RUN_NOTE = "one run per line"
-NOT_LOGGED = "not logged"
-DIVERGED = "diverged"
 # Matplotlib otherwise stamps its version into the PNG; leaving it out keeps files reproducible.
 _PNG_METADATA = {"Software": None}
 
@@ -52,15 +53,19 @@ class Panel:
     key: str  # metrics.jsonl key
     title: str
     file_name: str
+    ylabel: str
     gap: bool = False  # DP groups only, minus the lowest DP mean at each step
 
 
+TRAIN_LOSS = Panel("train_loss", "train loss", "train_loss.png", "train loss (nats/token)")
 PANELS = (
-    Panel("val_nll", "validation NLL", "val_nll.png"),
-    Panel("val_nll", "validation NLL above the best DP method's", "val_nll_gap.png", gap=True),
-    Panel("train_loss", "train loss", "train_loss.png"),
-    Panel("epsilon", "ε spent", "epsilon.png"),
+    Panel("val_nll", "validation NLL", "val_nll.png", "validation NLL (nats/token)"),
+    Panel("val_nll", "validation NLL above the best DP method's", "val_nll_gap.png", "Δ validation NLL (nats/token)", gap=True),
+    TRAIN_LOSS,
+    Panel("epsilon", "ε spent", "epsilon.png", "ε spent"),
 )
+# The train-loss panel's title where a private run contributes to it.
+PRIVATE_TRAIN_LOSS_TITLE = "train loss (non-private diagnostic: outside ε)"
 
 
 @dataclass(frozen=True)
@@ -79,11 +84,12 @@ def run_series(rows: Sequence[dict], key: str) -> dict[int, float]:
     return {row["step"]: float(row[key]) for row in rows if row.get(key) is not None}
 
 
-def aggregate_curves(runs: Sequence[Run], key: str, diagnostics: bool = True) -> list[tuple[RunGroup, CurveBand]]:
+def aggregate_curves(runs: Sequence[Run], key: str, diagnostics: bool = True, pool: bool = False) -> list[tuple[RunGroup, CurveBand]]:
     """The curve of `key` for each group of one dataset's runs that logged it, in table order
-    (diagnostics=False: from metrics.jsonl alone, leaving out the runs' diagnostics.jsonl)."""
+    (diagnostics=False: from metrics.jsonl alone, leaving out the runs' diagnostics.jsonl; pool:
+    see grouping.group_runs)."""
     curves = []
-    for group in group_runs(runs):
+    for group in group_runs(runs, pool):
         series = [run_series(run.load_metrics(diagnostics), key) for run in group.runs]
         steps = sorted({step for per_run in series for step in per_run})
         if not steps:
@@ -125,32 +131,36 @@ def optimizer_color(optimizer: str) -> str:
     return _OTHER_COLORS[zlib.crc32(optimizer.encode()) % len(_OTHER_COLORS)]
 
 
-def write_curves(runs: Sequence[Run], out_dir: Path, diagnostics: bool = True) -> list[Path]:
+def write_curves(runs: Sequence[Run], out_dir: Path, diagnostics: bool = True, pool: bool = False, train_loss: bool = False) -> list[Path]:
     """Write curves.png and one PNG per panel for every dataset under `out_dir/<dataset>/`.
 
     diagnostics: whether the train-loss panel may show private runs' owner-only diagnostics
     (not covered by their guarantee); False draws only what metrics.jsonl publishes.
+    train_loss: draw the train-loss panel at all. pool: see grouping.group_runs.
+    A dataset whose runs logged nothing gets no figure.
     """
     written = []
+    panels = [panel for panel in PANELS if train_loss or panel is not TRAIN_LOSS]
     for dataset, dataset_runs in runs_by_dataset(runs).items():
-        folder = Path(out_dir) / dataset
-        folder.mkdir(parents=True, exist_ok=True)
-        curves = {panel: aggregate_curves(dataset_runs, panel.key, diagnostics) for panel in PANELS}
-        curves.update({panel: gaps_to_best_private(curves[panel]) for panel in PANELS if panel.gap})
+        curves = {panel: aggregate_curves(dataset_runs, panel.key, diagnostics, pool) for panel in panels}
+        curves.update({panel: gaps_to_best_private(curves[panel]) for panel in panels if panel.gap})
         several = any(len(group.runs) > 1 for panel in curves.values() for group, _ in panel)
         note = BAND_NOTE if several else ONE_RUN_NOTE
-        any_diverged = any(map(diverged, dataset_runs))
-        shown = [panel for panel in PANELS if curves[panel] or not panel.gap]  # one DP method (a run's own curves): no gap
+        shown = [panel for panel in panels if curves[panel]]  # nothing logged (or one DP method: no gap): no panel
+        if not shown:
+            continue
+        folder = Path(out_dir) / dataset
+        folder.mkdir(parents=True, exist_ok=True)
 
         combined = new_figure(width=5.2 * len(shown))
-        for axes, panel in zip(combined.subplots(1, len(shown)), shown):
-            draw_panel(axes, panel, curves[panel], any_diverged)
+        for axes, panel in zip(combined.subplots(1, len(shown), squeeze=False)[0], shown):
+            draw_panel(axes, panel, curves[panel])
         combined.suptitle(f"{dataset} ({note})")
         written.append(save_figure(combined, folder / "curves.png"))
 
         for panel in shown:
             single = new_figure(width=6.0)
-            draw_panel(single.subplots(), panel, curves[panel], any_diverged)
+            draw_panel(single.subplots(), panel, curves[panel])
             single.suptitle(f"{dataset} ({note})", fontsize="medium")
             written.append(save_figure(single, folder / panel.file_name))
     return written
@@ -164,13 +174,10 @@ def diverged(run: Run) -> bool:
     return any(isinstance(run.summary.get(key), float) and not math.isfinite(run.summary[key]) for key in ("test_nll", "val_nll"))
 
 
-def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]], any_diverged: bool = False) -> None:
-    axes.set_title(panel.title)
-    if not curves:  # (a diverged run logs its non-finite values as null: nothing to draw)
-        axes.text(0.5, 0.5, DIVERGED if any_diverged else NOT_LOGGED, ha="center", va="center", transform=axes.transAxes, color="gray")
-        axes.set_xticks([])
-        axes.set_yticks([])
-        return
+def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]]) -> None:
+    private_train_loss = panel is TRAIN_LOSS and any(group.key.private for group, _ in curves)
+    axes.set_title(PRIVATE_TRAIN_LOSS_TITLE if private_train_loss else panel.title)
+    axes.set_ylabel(panel.ylabel)
     variants_seen: dict[str, int] = {}
     for index, (group, band) in enumerate(curves):
         optimizer = group.key.optimizer
@@ -178,7 +185,8 @@ def draw_panel(axes: Axes, panel: Panel, curves: list[tuple[RunGroup, CurveBand]
         variants_seen[optimizer] = variant + 1
         color = optimizer_color(optimizer)
         every = max(len(curves), len(band.steps) // MARKED_POINTS)  # each curve's markers on its own steps
-        label = f"{group.label} (n={len(group.runs)}{', diverged' if any(map(diverged, group.runs)) else ''})"
+        pooled = f", pooled: {', '.join(group.pooled)} differ" if group.pooled else ""
+        label = f"{group.label} (n={len(group.runs)}{pooled}{', diverged' if any(map(diverged, group.runs)) else ''})"
         axes.plot(
             band.steps, band.mean, color=color, linestyle=_LINE_STYLES[variant % len(_LINE_STYLES)],
             marker=OPTIMIZER_MARKERS.get(optimizer, "o"), markersize=4, markevery=(index % every, every), label=label,

@@ -76,6 +76,10 @@ class RunSummary:
     steps: int
     planned_steps: int
     releases_charged: int | None
+    # The privacy ledger when the summary was written, as a checkpoint records it: the hash of its
+    # last line and its lines (the header included); the study refuses a ledger that differs.
+    ledger_head: str | None = None  # None: non-private (no ledger)
+    ledger_length: int | None = None
     release_slack: dict | None  # per charged release, beyond the ideal Gaussian (privacy/accountant.py ReleaseSlack)
     stopped_by_budget_guard: bool
     stop_reason: str | None

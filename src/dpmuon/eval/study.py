@@ -10,7 +10,10 @@ accountant at one δ.
 
 Where a run's releases come from:
 - `privacy_ledger.jsonl` (one line per release; only `"charged": true` lines cost anything; a
-  chained ledger must chain: an edited or removed line is an error, never skipped);
+  chained ledger must chain: an edited or removed line is an error, never skipped; and it must be
+  the ledger the `summary.json` beside it was written from: its head and length, its charged
+  lines (`releases_charged`) and its last step (`steps`) — a chain checked on its own cannot see
+  that its last lines were cut or that it was re-chained over fewer);
 - else `summary.json` (no ledger: the ledger was lost, or the run predates ledgers):
   `releases_charged` releases at its (σ, q) — never fewer than its `steps` — marked
   "reconstructed from summary.json". Re-run steps after a resume are charged releases too, so
@@ -31,7 +34,10 @@ A private run without secret randomness — a ledger-less summary that records n
 `mechanism_randomness`: it predates secret randomness, and its lots and noise followed from its
 published `seed` — has no guarantee either: its ε and every total it enters are "no guarantee",
 and it is listed under `runs_without_secret_randomness`. (Ledgers and secret randomness came in
-together: a run with a ledger drew its randomness from OS entropy or a user seed.)
+together: a run with a ledger drew its randomness from OS entropy or a user seed.) So is a run
+whose mechanism seed was published (`published_seed_runs`): its summary's `mechanism_randomness`
+starts with "published seed", or it was user-seeded and a mechanism_seeds.json lies in its
+folder or one above it (results/bc_regime/fair/).
 
 Composition assumes the runs' noise was independent. A run seeded by the user
 (`"mechanism_randomness"` says so in its summary) shares its lots and noise with every run given
@@ -55,7 +61,7 @@ from ..jsontext import to_json
 from ..privacy.accountant import ReleaseSlack
 from ..privacy.composition import ACCOUNTANT, History, RunRecord, composed_epsilon
 from ..privacy.ledger import FORMAT as LEDGER_FORMAT
-from ..privacy.ledger import read_chain
+from ..privacy.ledger import line_hash, read_chain
 from ..privacy.randomness import USER_SEED
 from ..run_folder import LEDGER, SUMMARY
 from .runs import RunFormatError, read_json_object, run_dirs_below
@@ -67,6 +73,10 @@ INFINITE = "inf"
 NO_GUARANTEE = "no guarantee"
 USAGE_ERROR = 2
 LEDGER_FORMATS = (1, LEDGER_FORMAT)  # 1: before the hash chain (its lines are read, not checked)
+# Published mechanism seeds (results/bc_regime/fair/): a user-seeded run in or below the folder
+# that holds this file drew its lots and noise from a seed anyone can read.
+PUBLISHED_SEEDS = "mechanism_seeds.json"
+PUBLISHED_SEED = "published seed"  # how a summary's mechanism_randomness starts when its seed is published
 
 
 class StudyError(RunFormatError):
@@ -125,6 +135,7 @@ def from_summary(path: Path, summary: dict[str, Any]) -> RunRecord:
     releases = max(counts.values())
     # The artifact contract marks non-private runs with noise_multiplier 0; newer ones say so too.
     private = summary.get("private", sigma != 0) is not False and sigma > 0
+    published = published_seed(path, summary)
     return RunRecord(
         path=path,
         **_training_set(summary, where),
@@ -135,9 +146,19 @@ def from_summary(path: Path, summary: dict[str, Any]) -> RunRecord:
         source=RECONSTRUCTED,
         optimizer=summary.get("optimizer"),
         user_seeded=summary.get("mechanism_randomness") == USER_SEED,
-        secret_randomness=bool(summary.get("mechanism_randomness")),
+        secret_randomness=bool(summary.get("mechanism_randomness")) and not published,
+        published_seed=published,
         slack=_slack(summary, where),
     )
+
+
+def published_seed(path: Path, summary: dict[str, Any] | None) -> bool:
+    """Whether the run's mechanism seed is public: its summary says so, or it was user-seeded and a
+    mechanism_seeds.json lies in its folder or a folder above it."""
+    randomness = str((summary or {}).get("mechanism_randomness") or "")
+    if randomness.lower().startswith(PUBLISHED_SEED):
+        return True
+    return randomness == USER_SEED and any((folder / PUBLISHED_SEEDS).is_file() for folder in (path.resolve(), *path.resolve().parents))
 
 
 def _from_ledger(path: Path, summary: dict[str, Any] | None) -> RunRecord:
@@ -152,8 +173,11 @@ def _from_ledger(path: Path, summary: dict[str, Any] | None) -> RunRecord:
     if header.get("format") not in LEDGER_FORMATS:
         raise StudyError(f"{file}:1: ledger format {header.get('format')!r}, this reader knows {', '.join(map(str, LEDGER_FORMATS))}")
     history, uncharged = _charged_history(file, records[1:])
+    if summary is not None:
+        _check_against_summary(path, lines, records[1:], summary)
     noiseless = any(sigma <= 0 for sigma, _, _ in history)
     private = not noiseless and (summary or {}).get("private", True) is not False
+    published = published_seed(path, summary)
     return RunRecord(
         path=path,
         **_training_set(header, file),
@@ -164,7 +188,33 @@ def _from_ledger(path: Path, summary: dict[str, Any] | None) -> RunRecord:
         source=FROM_LEDGER,
         optimizer=(summary or {}).get("optimizer"),
         user_seeded=(summary or {}).get("mechanism_randomness") == USER_SEED,
+        secret_randomness=not published,
+        published_seed=published,
         slack=_slack(header, file),
+    )
+
+
+def _check_against_summary(path: Path, lines: Sequence[bytes], releases: Sequence[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """The ledger must be the one the run's summary.json was written from: a chain read on its own
+    cannot see that its last lines were cut (`head -n 3`) or that it was re-chained over fewer."""
+    charged = sum(1 for release in releases if release.get("charged") is True)
+    last_step = max((release["step"] for release in releases if _is_count(release.get("step"))), default=0)
+    recorded = {"ledger_head": (summary.get("ledger_head"), line_hash(lines[-1])),
+                "ledger_length": (summary.get("ledger_length"), len(lines)),
+                "releases_charged": (summary.get("releases_charged"), charged)}  # fmt: skip
+    for key, (expected, found) in recorded.items():
+        if expected is not None and expected != found:
+            raise StudyError(_disagrees(path, key, expected, found))
+    steps = summary.get("steps")
+    if _is_count(steps) and last_step < steps:  # a resumed run re-releases steps, so lines may outnumber steps, never fall short
+        raise StudyError(_disagrees(path, "steps", steps, f"releases up to step {last_step}"))
+
+
+def _disagrees(path: Path, key: str, expected: Any, found: Any) -> str:
+    return (
+        f"{path}: {LEDGER} does not match {SUMMARY} ({key} {expected!r}, the ledger has {found!r}): the ledger was "
+        "truncated, edited or replaced, so the study would under-count the run; restore the run's own ledger, "
+        f"or move {LEDGER} aside to count the run from its {SUMMARY}"
     )
 
 
@@ -231,7 +281,8 @@ def study_epsilon(runs: Sequence[RunRecord], delta: float | None) -> float | str
         return NO_GUARANTEE
     if not any(run.history for run in runs):
         return 0.0
-    return composed_epsilon(runs, delta)
+    epsilon = composed_epsilon(runs, delta)
+    return epsilon if math.isfinite(epsilon) else INFINITE  # the bad events fit no split of δ: StudyGroup.warnings says so
 
 
 @dataclass
@@ -252,6 +303,10 @@ class StudyGroup:
     @property
     def runs_without_secret_randomness(self) -> list[RunRecord]:
         return [run for run in self.private_runs if not run.secret_randomness]
+
+    @property
+    def published_seed_runs(self) -> list[RunRecord]:
+        return [run for run in self.private_runs if run.published_seed]
 
     @property
     def user_seeded_runs(self) -> list[RunRecord]:
@@ -280,6 +335,7 @@ class StudyGroup:
 
     def report(self, delta_override: float | None = None) -> dict[str, Any]:
         delta = self.delta(delta_override)
+        total = study_epsilon(self.runs, delta)
         return {
             "dataset": self.dataset,
             "dataset_sizes": self.sizes(),
@@ -288,15 +344,17 @@ class StudyGroup:
             "accountant": ACCOUNTANT,
             "runs": [run.describe() for run in self.runs],
             "epsilon_per_run": {str(run.path): study_epsilon([run], delta) for run in self.runs},
-            "epsilon_total": study_epsilon(self.runs, delta),
+            "epsilon_total": total,
             "epsilon_total_private_runs": study_epsilon(self.private_runs, delta),
             "non_private_runs": [str(run.path) for run in self.non_private_runs],
             "runs_without_secret_randomness": [str(run.path) for run in self.runs_without_secret_randomness],
+            "published_seed_runs": [str(run.path) for run in self.published_seed_runs],
             "user_seeded_runs": [str(run.path) for run in self.user_seeded_runs],
-            "warnings": self.warnings(),
+            "warnings": self.warnings(total, delta),
         }
 
-    def warnings(self) -> list[str]:
+    def warnings(self, total: float | str | None = None, delta: float | None = None) -> list[str]:
+        """What must be said loudly; with the group's total at δ, also why a guaranteed total is inf."""
         notes = []
         if self.non_private_runs:
             notes.append(
@@ -304,15 +362,28 @@ class StudyGroup:
                 "a study that includes them gives this data no differential-privacy guarantee (ε = inf); "
                 "that is fine only if this data is public"
             )
-        if self.runs_without_secret_randomness:
+        if self.published_seed_runs:
             notes.append(
-                f"{len(self.runs_without_secret_randomness)} private run(s) on {self.label()} record no secret mechanism "
-                "randomness (they predate it: lots and noise followed from the published seed, so anyone can regenerate "
-                "and subtract the noise): no ε covers them, alone or in the study (no guarantee)"
+                f"{len(self.published_seed_runs)} private run(s) on {self.label()} drew their lots and noise from a published "
+                f"mechanism seed ({PUBLISHED_SEEDS}, or mechanism_randomness says so): anyone can regenerate and subtract the "
+                "noise, so no ε covers them, alone or in the study (no guarantee)"
             )
-        if len(self.user_seeded_runs) > 1:
+        if len(self.runs_without_secret_randomness) > len(self.published_seed_runs):
             notes.append(
-                f"{len(self.user_seeded_runs)} private runs on {self.label()} drew their lots and noise from a "
+                f"{len(self.runs_without_secret_randomness) - len(self.published_seed_runs)} private run(s) on {self.label()} "
+                "record no secret mechanism randomness (they predate it: lots and noise followed from the published seed, "
+                "so anyone can regenerate and subtract the noise): no ε covers them, alone or in the study (no guarantee)"
+            )
+        if total == INFINITE and all(run.guaranteed for run in self.runs):
+            notes.append(
+                f"the {len(self.runs)} run(s) on {self.label()} compose to no finite ε at δ = {delta:g}: their bad events "
+                "(truncated constant-time lots, the grid noise's tail) cost more than δ at the composed ε, and each run's "
+                "own ε at δ/k as well; compose them at a larger --delta, or fewer runs together"
+            )
+        secret_seeds = [run for run in self.user_seeded_runs if not run.published_seed]  # published ones: said above
+        if len(secret_seeds) > 1:
+            notes.append(
+                f"{len(secret_seeds)} private runs on {self.label()} drew their lots and noise from a "
                 "user-supplied mechanism_seed (DPMUON_MECHANISM_SEED or privacy.mechanism_seed_file): epsilon_total "
                 "assumes every one of those seeds was distinct "
                 "and secret. Runs that shared a seed (a paired comparison) reused one noise draw, and no finite ε "

@@ -37,7 +37,9 @@ class SweepLine:
 def sweep_lines(runs: Sequence[Run], x_key: str, metric: str) -> list[SweepLine]:
     """Private runs grouped by optimizer (+ whatever else varies besides `x_key` and the seed)."""
     private = [r for r in runs if r.is_private and r.summary.get(x_key) is not None and r.summary.get(metric) is not None]
-    varying = [k for k in ("clip_mode", "clip_norm", "target_epsilon", "model") if k != x_key and len({r.summary.get(k) for r in private}) > 1]
+    # Any setting besides x and the seed that the runs differ in splits the lines, never averaged over.
+    settings = ("clip_mode", "clip_norm", "target_epsilon", "model", "planned_steps", "expected_lot_size", "delta", "dataset_size")
+    varying = [k for k in settings if k != x_key and len({repr(r.summary.get(k)) for r in private}) > 1]
     points: dict[tuple, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for run in private:
         key = (run.optimizer, *(run.summary.get(k) for k in varying))
@@ -83,6 +85,7 @@ def write_sweep_plots(runs: Sequence[Run], out_dir: Path) -> list[Path]:
                 axes.xaxis.set_minor_formatter(NullFormatter())
                 axes.set_xlabel(x_label)
                 axes.set_title(title)
+                axes.set_ylabel(title)
                 axes.grid(alpha=0.3, which="both")
                 axes.legend(fontsize="x-small")
             figure.suptitle(f"{dataset}: final utility vs {x_label} (mean over seeds, band min–max)")

@@ -120,11 +120,19 @@ class TableRow:
             key.model,
             target,
             NOT_APPLICABLE if self.epsilon_spent is None else self.epsilon_spent.display(EPSILON_DECIMALS),
-            f"{len(self.seeds)} (seed{'s' if len(self.seeds) > 1 else ''} {', '.join(map(str, self.seeds))})",
+            self._seeds_cell(),
         ]
         cells += [self.metrics[column.key].display(column.decimals) for column in self.columns]
         cells += [self._paper_cell(column) for column in PAPER_COLUMNS]
         return cells
+
+    def _seeds_cell(self) -> str:
+        seeds = self.seeds
+        text = f"{len(seeds)} (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+        repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+        if repeated:  # only with --pool: n counts runs, not independent seeds
+            text += "; repeated: " + ", ".join(f"seed {seed} ×{seeds.count(seed)}" for seed in repeated)
+        return text + ")"
 
     def _paper_cell(self, column: MetricColumn) -> str:
         if self.paper is None:
@@ -133,9 +141,9 @@ class TableRow:
         return NOT_REPORTED if value is None else f"{value:.{column.decimals}f}"
 
 
-def build_rows(dataset: str, runs: Sequence[Run]) -> list[TableRow]:
+def build_rows(dataset: str, runs: Sequence[Run], pool: bool = False) -> list[TableRow]:
     columns = shown_columns(runs)
-    return [TableRow.of(dataset, group, columns) for group in group_runs(runs)]
+    return [TableRow.of(dataset, group, columns) for group in group_runs(runs, pool)]
 
 
 def shown_columns(runs: Sequence[Run]) -> tuple[MetricColumn, ...]:
@@ -155,11 +163,14 @@ def table_headers(rows: Sequence[TableRow]) -> tuple[str, ...]:
     )
 
 
-def write_tables(runs: Sequence[Run], out_dir: Path) -> list[Path]:
-    """Write table.md/.csv/.tex for every dataset under `out_dir/<dataset>/`; returns the files."""
+def write_tables(runs: Sequence[Run], out_dir: Path, pool: bool = False) -> list[Path]:
+    """Write table.md/.csv/.tex for every dataset under `out_dir/<dataset>/`; returns the files.
+
+    pool: average runs of one group that differ in a setting or repeat a seed (grouping.py), and
+    say so in the notes; without it such runs are refused."""
     written = []
     for dataset, dataset_runs in runs_by_dataset(runs).items():
-        rows = build_rows(dataset, dataset_runs)
+        rows = build_rows(dataset, dataset_runs, pool)
         folder = Path(out_dir) / dataset
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in (
@@ -181,7 +192,7 @@ def render_markdown(dataset: str, rows: Sequence[TableRow], runs: Sequence[Run])
     lines = [f"# {dataset}: test-set results", "", line(headers), line(["---"] * len(headers))]
     lines += [line(row.display_cells()) for row in rows]
     lines += ["", LEGEND, "", "## Notes", ""]
-    lines += _paper_notes(rows) + _study_privacy_notes(runs) + _scorer_notes(runs) + _provenance_notes(runs)
+    lines += _pooled_notes(rows) + _paper_notes(rows) + _study_privacy_notes(runs) + _scorer_notes(runs) + _provenance_notes(runs)
     return "\n".join(lines) + "\n"
 
 
@@ -226,6 +237,13 @@ def render_latex(dataset: str, rows: Sequence[TableRow]) -> str:
     lines += [" & ".join(map(_tex, row.display_cells())) + r" \\" for row in rows]
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"
+
+
+def _pooled_notes(rows: Sequence[TableRow]) -> list[str]:
+    return [
+        f"- **Pooled (--pool): {row.group.label} averages runs that differ in {', '.join(row.group.pooled)}.**"
+        for row in rows if row.group.pooled
+    ]  # fmt: skip
 
 
 def _paper_notes(rows: Sequence[TableRow]) -> list[str]:
@@ -334,6 +352,8 @@ def _study_group_note(group: study.StudyGroup, tuning: set[study.RunRecord]) -> 
 
 
 def _study_cost(epsilon: float | str) -> str:
+    if epsilon == study.INFINITE:  # private runs whose bad events fit no split of δ (the study's warning says why)
+        return "ε = inf"
     return f"ε = {epsilon:.2f}" if isinstance(epsilon, float) else str(epsilon)
 
 

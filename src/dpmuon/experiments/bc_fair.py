@@ -98,6 +98,7 @@ def overrides(contender: str, lr: float, seed: int, *extra: str, adam_lr: float 
         # costs ~5× here (386-row lots of full-width rows, every position computed: 26 s a step
         # on one thread against ~5 s). The regime map ran without them too (before they existed).
         "privacy.constant_time=false",
+        "privacy.published_seed=true",  # SEEDS_FILE publishes them: each summary says its ε is no guarantee
         f"seed={seed}",
         *extra,
     )

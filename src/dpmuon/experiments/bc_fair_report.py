@@ -27,10 +27,12 @@ from scipy import stats  # noqa: E402
 
 from ..eval.runs import SUMMARY_FILE, Run, read_summary  # noqa: E402
 from ..paths import REPO_ROOT  # noqa: E402
-from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, VARIANTS, tuning_grid  # noqa: E402
+from ..privacy.randomness import USER_SEED  # noqa: E402
+from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, SEEDS_FILE, VARIANTS, tuning_grid  # noqa: E402
 from .bc_regime_report import gain_figure  # noqa: E402
 
 NOT_RUN = "not run yet"
+NOT_IN_GRID = "not in the grid"  # a rate another contender's grid grew to
 HORIZON_TABLE_EVERY = 100
 # The horizon's pairs: what, the runs' names before _seed. The norm-matched arm has DP-Muon's step
 # lengths and AdamW rate: against DP-Muon, the correction's direction; against DP-MuonBC, the rates.
@@ -79,7 +81,9 @@ def tuning_markdown(root: Path) -> str:
         contender = name.rsplit("_lr", 1)[0]
         if contender in by_rate and run.summary.get("val_nll") is not None:
             by_rate[contender][run.learning_rates["lr"]].append(run.summary["val_nll"])
-    selected = {contender: tuning_grid(root, contender)[1] for contender in CONTENDERS}
+    grids = {contender: tuning_grid(root, contender) for contender in CONTENDERS}
+    selected = {contender: grid[1] for contender, grid in grids.items()}
+    in_grid = {contender: {f"{lr:.4g}" for lr in grid[0]} for contender, grid in grids.items()}
     rates = sorted({lr for grid in by_rate.values() for lr in grid})
     lines = ["## Tuning at the final horizon (validation NLL, mean over seeds; * = selected)", "",
              "| rate | " + " | ".join(CONTENDERS) + " |", "|---|" + "---|" * len(CONTENDERS)]  # fmt: skip
@@ -89,7 +93,8 @@ def tuning_markdown(root: Path) -> str:
             values = by_rate[contender].get(lr)
             # Rates are compared as the run names spell them (config.yaml keeps 6 digits).
             mark = "*" if selected[contender] is not None and f"{selected[contender]:.4g}" == f"{lr:.4g}" else ""
-            cells.append(f"{statistics.mean(values):.4f}{mark} ({len(values)})" if values else NOT_RUN)
+            missing = NOT_RUN if f"{lr:.4g}" in in_grid[contender] else NOT_IN_GRID
+            cells.append(f"{statistics.mean(values):.4f}{mark} ({len(values)})" if values else missing)
         lines.append(f"| {lr:.4g} | " + " | ".join(cells) + " |")
     waiting = [contender for contender, lr in selected.items() if lr is None]
     if waiting:
@@ -198,7 +203,7 @@ def oracle_markdown(finals: dict[str, Run]) -> str:
     lines = ["## What the oracle sees in the finals (median over steps of the median over matrices; mean [95% t-interval] over seeds)", "",
              "The oracle applies DP-MuonBC's correction (as configured for that run) to each run's own buffer M and compares with "
              "F(M₀) of the noise-free buffer. Gain: cos⟨F_BC(M), F(M₀)⟩ − cos⟨F(M), F(M₀)⟩, for one draw of the probes and for the "
-             "map averaged over 16 probe pairs (which leaves the correction's bias, not its probes' variance). Signal: the "
+             "map averaged over 16 probe pairs (which removes the probes' variance only: the average still holds the DP noise). Signal: the "
              "projection ⟨F_x, F(M₀)⟩/‖F(M₀)‖²; the ratio above 1 means the averaged corrected map carries more of the "
              "noise-free direction than F(M), whatever its length. Not private: functions of the noise-free signal.", "",
              "| trajectory | " + " | ".join(name for name, _ in ORACLE_COLUMNS) + " |", "|---|" + "---|" * len(ORACLE_COLUMNS)]  # fmt: skip
@@ -284,6 +289,24 @@ def delta_figure(root: Path, path: Path) -> None:
     plt.close(fig)
 
 
+def published_seeds_note(root: Path) -> str:
+    """What the runs' ε is: their seeds are published, so it is no guarantee (and the summaries
+    written before a run could say so claim otherwise)."""
+    sources = [read_summary(p).get("mechanism_randomness") for p in sorted(root.glob(f"*/*/{SUMMARY_FILE}"))]
+    private, older = sum(source is not None for source in sources), sources.count(USER_SEED)
+    note = (
+        f"**Published seeds — no guarantee.** The mechanism seeds of these runs are published (`{SEEDS_FILE}`): anyone can "
+        "regenerate every lot and noise draw, so each run is a measurement of the optimizers, not a private release of E2E, "
+        "and the ε in its `summary.json` (≈ 8) is the noise's calibration, not a privacy guarantee."
+    )
+    if older:
+        note += (
+            f" {older} of the {private} private runs' summaries, written before a run could declare its seed published, "
+            f'still say "{USER_SEED}": here it is not secret.'
+        )
+    return note
+
+
 def write_report(root: Path, out: Path | None = None) -> list[Path]:
     """fair.md and the two figures of the runs under `root`, written to `out` (default: `root`)."""
     out = out or root
@@ -292,6 +315,7 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
     header = (
         "# DP-MuonBC compared fairly (pretrained tiny model, E2E, lot 256, ε = 8)\n\n"
         "From `python -m dpmuon.experiments.bc_fair_report`; runs from `python -m dpmuon.experiments.bc_fair run`.\n\n"
+        f"{published_seeds_note(root)}\n\n"
     )
     finals = load(root, "finals")
     sections = (tuning_markdown(root), comparisons_markdown(root), gap_changes_markdown(root), horizon_markdown(root), oracle_markdown(finals))

@@ -2,7 +2,7 @@
 
     from dpmuon.integrations.hf import DPTrainer
     args = TrainingArguments(output_dir="runs/hf", learning_rate=2e-3, num_train_epochs=3, per_device_train_batch_size=16,
-                             max_grad_norm=0, logging_steps=10, save_steps=100, eval_strategy="steps", report_to=["wandb"])
+                             max_grad_norm=0, logging_steps=10, save_steps=100, eval_strategy="steps", report_to="none")
     trainer = DPTrainer(model=model, args=args, train_dataset=train, eval_dataset=valid, data_collator=collate,
                         privacy=dict(target_epsilon=8.0, delta=1e-5, expected_lot_size=256, clip_norm=0.1), optimizer="dp_muon")
     trainer.train()
@@ -25,9 +25,15 @@ The mechanism is the façade's (`dpmuon.make_private`, facade.py), run dir = `ou
   after it with their own lots and noise (an identical replay is free; without the state, fresh draws, charged).
 
 Settings that would void the guarantee, or that the release would silently ignore, are refused in one line naming
-the argument (`refuse_unsafe_arguments`, `refuse_unsafe_setup`). Step times track the secret lot sizes: the train
-runtime and throughput are not logged, and W&B's system metrics and profiles should not be published. Evaluation runs as in Trainer; metrics on a private
-split are outside the guarantee, as the driver's private validation NLL is.
+the argument (`refuse_unsafe_arguments`, `refuse_unsafe_setup`). Times are a side channel on the secret lots (a step
+with more or longer examples takes longer), so unless `publish_timing=True` nothing the trainer writes or logs carries
+one: every file and folder under output_dir gets run_files.FROZEN_TIME after each checkpoint and when train() ends;
+the logged rows lose Trainer's speed and memory metrics (`train_runtime`, `*_per_second`, `*_mem_*`, …); the progress
+bar (elapsed time, it/s) is replaced by Trainer's plain printer; and `report_to` integrations, which stamp every row with
+its wall time (W&B's `_timestamp`/`_runtime`, TensorBoard's `wall_time`, MLflow's timestamps) and sample system
+metrics, are refused. With `publish_timing=True` they run as in Trainer, except that W&B collects no system metrics
+(`WANDB__DISABLE_STATS`, unless set). Evaluation runs as in Trainer; metrics on a private split are outside the
+guarantee, as the driver's private validation NLL is.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
+import re
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,18 +52,19 @@ import datasets
 import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
 
 from .. import run_folder
 from ..errors import UserError
-from ..facade import Lot, PrivateTraining, make_private, say, to_device
+from ..facade import Lot, PrivateTraining, make_private, say
 from ..models import per_example_lm_loss
 from ..optim import build as build_optimizer
 from ..privacy.ledger import LedgerIntegrityError
 from ..privacy.plan import check_resume_compatible
 from ..privacy.privatizer import ReleaseStats, ReplayMismatchError
 from ..training.mechanism_state import discard_mechanism_state, load_mechanism_state, save_mechanism_state
-from ..training.run_files import atomic_write_json
+from ..training.run_files import atomic_write_json, freeze_times
 
 PRIVACY_RECORD = "dpmuon_privacy.json"  # in each checkpoint-N/: the ledger's head and length, the plan (public)
 PRIVACY_SPENT = "privacy_spent.json"  # in output_dir, beside the ledger: ε spent so far
@@ -68,9 +78,11 @@ FROM_TRAINING_ARGUMENTS = {
 # Trainer methods the integration replaces: a subclass's own version would be bypassed or bypass the release.
 REPLACED_METHODS = ("get_train_dataloader", "_get_train_sampler", "training_step", "compute_loss", "create_optimizer")
 NONPRIVATE_LOGS = ("loss", "train_loss")  # means of the raw lots' per-example losses
-# Lots are processed as drawn (no constant-time padding as in the driver): the time training took
-# tracks the secret lots' sizes, so it is not logged where W&B and the console publish it.
-TIMING_LOGS = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
+WITHHELD = "withheld"  # TrainOutput.metrics["train_loss"] when the raw lots' loss is not published (training_loss: NaN)
+# Trainer's clock and machine measurements (speed_metrics, the memory tracker): train_runtime, eval_samples_per_second,
+# train_steps_per_second, eval_model_preparation_time, train_mem_gpu_peaked_delta, … A step's time and memory track
+# its secret lot, so they are not logged (nor returned in metrics, which save_metrics would write) unless published.
+TIMING_LOG = re.compile(r"(_runtime|_per_second|_time|_seconds)$|_mem_")
 
 
 def field_default(name: str) -> Any:
@@ -167,6 +179,36 @@ def refuse_unsafe_setup(cls: type, args: TrainingArguments | None, train_dataset
         raise UserError(f"DPTrainer: privacy[{unknown[0]!r}] is no setting of dpmuon.make_private; valid: {valid}")
 
 
+def labelled_lm_loss(collator: Callable) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """The default per-example loss (per_example_lm_loss), refusing in one line a collator whose batches have no labels."""
+    name = getattr(collator, "__qualname__", type(collator).__name__)
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        if isinstance(batch, Mapping) and "labels" not in batch:
+            raise UserError(
+                f"DPTrainer: data_collator={name} returned {sorted(batch)} without 'labels': the default loss_fn (per_example_lm_loss) "
+                "needs labels (-100 where no loss), e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False); or pass loss_fn="
+            )
+        return per_example_lm_loss(model, batch)
+
+    return loss
+
+
+def rotate_checkpoints_by_step(run_dir: Path, limit: int | None, best: str | None) -> None:
+    """Keep the last `limit` checkpoint-N folders by N, and the best. (Trainer's own rotation orders them by mtime, the
+    same for every frozen folder: it would delete by name, checkpoint-12 before checkpoint-8.)"""
+    folders = sorted(
+        (path for path in run_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if path.is_dir() and path.name.split("-")[-1].isdigit()),
+        key=lambda path: int(path.name.split("-")[-1]),
+    )
+    if not limit or limit <= 0 or not folders:
+        return
+    kept = {folders[-1], *([Path(best)] if best else [])}  # the last, to resume from
+    deletable = [path for path in folders if path not in kept]
+    for path in deletable[: max(0, len(folders) - max(limit, len(kept)))]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class PoissonLots:
     """The train 'dataloader': one `Lot` per Trainer step, its indices drawn by the mechanism when the step asks."""
 
@@ -196,7 +238,10 @@ class DPTrainer(Trainer):
     run_dir). `loss_fn(model, batch)` returns the per-example losses [B] (default: the causal-LM loss over
     `labels` ≠ -100, as the driver's: the collator gives input_ids, attention_mask and labels, e.g.
     DataCollatorForLanguageModeling(tokenizer, mlm=False)). The mechanism is `trainer.private` (a `PrivateTraining`).
-    TrainingArguments are adjusted in place: max_grad_norm 1.0 → 0 (said), ignore_data_skip → True.
+    TrainingArguments are adjusted in place: max_grad_norm 1.0 → 0 (said), ignore_data_skip → True, and, unless
+    `publish_timing=True` (see the module's docstring), disable_tqdm → True (said); report_to integrations are refused.
+    `train()` returns `training_loss` NaN and `metrics["train_loss"] == "withheld"` (the raw lots' loss is outside the
+    guarantee) unless `log_nonprivate_train_loss=True`.
     """
 
     def __init__(
@@ -212,6 +257,7 @@ class DPTrainer(Trainer):
         optimizer_kwargs: Mapping[str, Any] | None = None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] = per_example_lm_loss,
         log_nonprivate_train_loss: bool = False,
+        publish_timing: bool = False,
         **trainer_kwargs: Any,
     ):
         refuse_unsafe_setup(type(self), args, train_dataset, privacy, trainer_kwargs)
@@ -220,14 +266,41 @@ class DPTrainer(Trainer):
             say(f"max_grad_norm={args.max_grad_norm} set to 0: the released gradient is not clipped again (clipping is per example)")
             args.max_grad_norm = 0.0
         args.ignore_data_skip = True  # lots come from the mechanism's restored state on resume, not from skipped batches
+        self.publish_timing = publish_timing
+        self._keep_timing_unpublished(args, trainer_kwargs.get("callbacks") or [])
 
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset, **trainer_kwargs)
         self.optimizer_name, self.optimizer_kwargs = optimizer, dict(optimizer_kwargs or {})
         self.log_nonprivate_train_loss = log_nonprivate_train_loss
-        self.private = self._make_private(loss_fn, privacy)
+        self.private = self._make_private(labelled_lm_loss(self.data_collator) if loss_fn is per_example_lm_loss else loss_fn, privacy)
         self.next_step = 1  # the next release's number in the ledger
         self.budget_stopped = False
         self._epsilon_at: tuple[int, float] | None = None  # (charged releases, ε)
+
+    def _keep_timing_unpublished(self, args: TrainingArguments, callbacks: list) -> None:
+        """Refuse the reporting integrations and memory metrics, and turn off the progress bar, unless timing is published."""
+        integrations = {cls: name for name, cls in INTEGRATION_TO_CALLBACK.items()}
+        reporters = list(args.report_to or []) + [
+            integrations[c if isinstance(c, type) else type(c)] for c in callbacks if (c if isinstance(c, type) else type(c)) in integrations
+        ]
+        if "wandb" in reporters:  # W&B samples CPU, GPU, memory and disk every few seconds: the step's load, on a timeline
+            os.environ.setdefault("WANDB__DISABLE_STATS", "true")
+        if self.publish_timing:
+            return
+        if reporters:
+            raise UserError(
+                f"DPTrainer: report_to={reporters}: every integration stamps each logged row with its wall time (W&B's _timestamp and "
+                "_runtime, TensorBoard's wall_time, MLflow's timestamp), and step times are a side channel on the secret lots; "
+                "report_to='none' (trainer.state.log_history and trainer_state.json keep the rows), or pass publish_timing=True"
+            )
+        if not args.skip_memory_metrics:
+            raise UserError(
+                "DPTrainer: skip_memory_metrics=False: the memory a step takes tracks its secret lot, and the metrics carry it; keep "
+                "skip_memory_metrics=True, or pass publish_timing=True"
+            )
+        if not args.disable_tqdm:
+            say("disable_tqdm set to True: the progress bar shows elapsed times and step rates (pass publish_timing=True to keep it)")
+            args.disable_tqdm = True
 
     def _make_private(self, loss_fn: Callable, privacy: Mapping[str, Any]) -> PrivateTraining:
         args, dataset, collate = self.args, self.train_dataset, self.data_collator
@@ -259,11 +332,9 @@ class DPTrainer(Trainer):
         raise UserError("DPTrainer draws Poisson lots from the mechanism; it has no train sampler")
 
     def draw_lot(self, step: int) -> Lot:
-        """Lot `step` of the ledger, its indices from the mechanism's secret lot sampler."""
-        return Lot(step, self.private.mechanism.next_lot(), self.private.micro_batch_size, self._collated)
-
-    def _collated(self, indices: list[int]) -> Any:
-        return to_device(self._collate([self._dataset[i] for i in indices]), self.args.device)
+        """Lot `step` of the ledger, drawn by the façade (bound to it: released once, in the order drawn;
+        constant-time micro-batches unless privacy['constant_time'] is False)."""
+        return self.private.draw_lot(step)
 
     def set_initial_training_values(self, args: TrainingArguments, dataloader: PoissonLots) -> tuple:
         # One Trainer "epoch" runs the whole plan: lots are independent samples, not passes over the data.
@@ -314,7 +385,10 @@ class DPTrainer(Trainer):
     # -- what is logged and written --------------------------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        for key in TIMING_LOGS + (() if self.log_nonprivate_train_loss else NONPRIVATE_LOGS):
+        # In place: the dict is also the metrics train() and evaluate() return.
+        for key in [k for k in logs if not self.publish_timing and TIMING_LOG.search(k)]:
+            del logs[key]
+        for key in () if self.log_nonprivate_train_loss else NONPRIVATE_LOGS:
             logs.pop(key, None)
         logs["epsilon"] = self.epsilon_spent()
         if self.is_in_train:  # Trainer's epoch would be the fraction of the plan: say the expected passes over the data
@@ -352,8 +426,33 @@ class DPTrainer(Trainer):
         folder = Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(folder / PRIVACY_RECORD, {"step": step, "plan": self.private.plan.as_dict(), **ledger})
-        super()._save_checkpoint(model, trial)
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotated below, by step number
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        rotate_checkpoints_by_step(folder.parent, limit, self.state.best_model_checkpoint)
         self.write_privacy_spent()
+        self.freeze_output_times()
+
+    # Trainer's writers a script calls after train(): what they write would carry the end time.
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call:  # (a checkpoint freezes when it is complete)
+            self.freeze_output_times()
+
+    def save_state(self) -> None:
+        super().save_state()
+        self.freeze_output_times()
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        super().save_metrics(split, metrics, combined)
+        self.freeze_output_times()
+
+    def freeze_output_times(self) -> None:
+        """Every file and folder in output_dir gets FROZEN_TIME (unless `publish_timing`): their mtimes would date the steps."""
+        if not self.publish_timing and Path(self.args.output_dir).is_dir():
+            freeze_times(Path(self.args.output_dir))
 
     @property
     def mechanism_state_path(self) -> Path:
@@ -375,12 +474,17 @@ class DPTrainer(Trainer):
                 "new output_dir (those releases still count against this data set)"
             )
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial, **kwargs)
         finally:
             self.write_privacy_spent()
             if self.plan_done:  # no step is left to replay
                 discard_mechanism_state(Path(self.args.output_dir), keep=False)
                 self.private.close()
+            self.freeze_output_times()  # last: every write and removal of the run is done
+        if self.log_nonprivate_train_loss:
+            return output
+        # Trainer's training_loss would be the mean of training_step's zeros: a made-up value, not a private one.
+        return TrainOutput(output.global_step, math.nan, {**output.metrics, "train_loss": WITHHELD})
 
     @property
     def plan_done(self) -> bool:

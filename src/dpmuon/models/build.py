@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..hub import local_files_only
 from .architectures import Shape, architecture, config_context_length, dropout_overrides
 from .lora import LoraOptions, add_lora
 
@@ -32,9 +33,11 @@ def build_random_lm(
 
 
 def load_pretrained(name_or_path: str, dropout: float | None = None) -> nn.Module:
-    """A causal LM from a hub id or a local directory; `dropout` sets the family's own dropout keys."""
-    config = AutoConfig.from_pretrained(name_or_path)
-    return AutoModelForCausalLM.from_pretrained(name_or_path, **dropout_overrides(config, dropout))
+    """A causal LM from a hub id or a local directory; `dropout` sets the family's own dropout keys.
+    With the hub unreachable, a hub id is looked up in the local cache only (see dpmuon/hub.py)."""
+    offline = local_files_only(name_or_path)
+    config = AutoConfig.from_pretrained(name_or_path, local_files_only=offline)
+    return AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=offline, **dropout_overrides(config, dropout))
 
 
 def untie_lm_head(model: nn.Module) -> None:
@@ -112,5 +115,5 @@ def context_length(cfg: Mapping) -> int:
     A checkpoint's from its config's standard keys (`architectures.config_context_length`).
     """
     if cfg.get("name_or_path"):
-        return config_context_length(AutoConfig.from_pretrained(cfg["name_or_path"]))
+        return config_context_length(AutoConfig.from_pretrained(cfg["name_or_path"], local_files_only=local_files_only(cfg["name_or_path"])))
     return int(cfg["n_positions"])

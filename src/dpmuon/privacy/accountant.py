@@ -36,8 +36,10 @@ class ReleaseSlack:
 
     epsilon: the release's output probabilities are within a factor e^{±epsilon/2} of the ideal
       mechanism's (the float64 grid noise: privacy/grid.py), outside the bad event.
-    bad_event: the probability, per release, of an event the analysis does not cover (a noise
-      draw past the analysed tail, a Poisson lot truncated to its constant-time bound).
+    bad_event: a bound, per release and under the computed mechanism as under the ideal, on the
+      probability of an event the analysis does not cover (a grid cell reaching past the
+      analysed tail or more coordinates in a |z| band than its count bound: privacy/grid.py; a
+      Poisson lot truncated to its constant-time bound).
 
     T such releases are within e^{±a}, a = T·epsilon/2, of the ideal on the good events, so with
     the ideal (ε_I, δ_I) they are (ε_I + 2a, e^a·δ_I + (1 + e^{ε_I + a})·T·bad_event)-DP. The

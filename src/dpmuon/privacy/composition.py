@@ -35,7 +35,8 @@ class RunRecord:
     source: str  # FROM_LEDGER or RECONSTRUCTED
     optimizer: str | None = None
     user_seeded: bool = False  # lots and noise from a user's mechanism seed: maybe shared with other runs
-    secret_randomness: bool = True  # False: lots and noise followed from the published seed
+    secret_randomness: bool = True  # False: lots and noise followed from a published seed
+    published_seed: bool = False  # its mechanism seed was published (mechanism_seeds.json, or its summary says so)
     slack: ReleaseSlack = ReleaseSlack()  # per charged release, beyond the ideal mechanism (none before the grid release)
 
     @property
@@ -72,11 +73,25 @@ def merged_history(runs: Iterable[RunRecord]) -> History:
 
 
 def composed_epsilon(runs: Iterable[RunRecord], delta: float) -> float:
-    """ε at δ of releasing every run: PRV over the merged charged history; inf if any run has no
-    guarantee (no noise, or noise anyone could regenerate)."""
+    """ε at δ of releasing every run: the least of PRV over the merged charged history and, where
+    releases carry bad events, the sum of each run's own ε at δ/k; inf if any run has no
+    guarantee (no noise, or noise anyone could regenerate).
+
+    Why the sum: a bad event (a truncated constant-time lot) of probability β costs (1 + e^ε)·β of
+    δ at the ε it is charged at. Each run sized its lot bound so that this fits its own ε; charged
+    at the composed ε of every run, an ε = 1 run's β costs e^(ε_total − 1) times what it planned,
+    and no share of δ may hold it. Basic composition charges each run's bad events at its own ε.
+    """
     runs = list(runs)
     if not all(run.guaranteed for run in runs):
         return math.inf
+    prv = _prv_epsilon(runs, delta)
+    if len(runs) < 2 or not any(run.slack.bad_event for run in runs):
+        return prv
+    return min(prv, sum(_prv_epsilon([run], delta / len(runs)) for run in runs))
+
+
+def _prv_epsilon(runs: list[RunRecord], delta: float) -> float:
     history = merged_history(runs)
     releases = sum(n for _, _, n in history)
     # Each run's releases bring their own slack; spread over all releases, the totals stay the same.

@@ -26,22 +26,27 @@ DELTA_SHARE = BAD_EVENT_SHARE / 2
 
 
 def lot_bound(dataset_size: int, sample_rate: float, steps: int, target_epsilon: float, delta: float) -> tuple[int, float]:
-    """(B_max, p): the smallest B_max with (1 + e^ε)·T·P(Binomial(N, q) > B_max) ≤ DELTA_SHARE·δ, and
-    that per-step truncation probability p (an upper bound when it is below float range)."""
+    """(B_max, p): the smallest B_max with (1 + e^ε)·T·P(Binomial(N + 1, q) > B_max) ≤ DELTA_SHARE·δ,
+    and that per-step truncation probability p (an upper bound when it is below float range).
+
+    N + 1, not N: the guarantee compares the data set with its neighbours under add/remove, and
+    the larger one — N + 1 examples, sampled at the same q — has the larger lots, so the bad
+    event must be bounded there (at N the charge came out a few percent low on small sets)."""
     if dataset_size < 1 or steps < 1:
         raise ValueError(f"lot_bound needs N >= 1 and steps >= 1, got N={dataset_size}, steps={steps}")
     if not 0 < sample_rate <= 1 or not delta > 0:
         raise ValueError(f"lot_bound needs 0 < q <= 1 and δ > 0, got q={sample_rate}, δ={delta}")
     # Everything in log space: at ε = 1024, e^ε overflows and the tail needed is ~e^-1050.
     allowed = math.log(DELTA_SHARE * delta) - np.logaddexp(0.0, target_epsilon) - math.log(steps)
-    low, high = min(dataset_size, math.floor(dataset_size * sample_rate)), dataset_size  # high always fits: P(X > N) = 0
+    neighbour = dataset_size + 1
+    low, high = math.floor(neighbour * sample_rate), neighbour  # high always fits: P(X > N + 1) = 0
     while low < high:
         middle = (low + high) // 2
-        if log_tail(dataset_size, sample_rate, middle) <= allowed:
+        if log_tail(neighbour, sample_rate, middle) <= allowed:
             high = middle
         else:
             low = middle + 1
-    return high, math.exp(log_tail(dataset_size, sample_rate, high))
+    return high, math.exp(log_tail(neighbour, sample_rate, high))
 
 
 def log_tail(n: int, q: float, bound: int) -> float:

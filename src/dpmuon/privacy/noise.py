@@ -66,11 +66,11 @@ class GaussianNoise:
     def _chunks(self, n: int, consume: Callable, target) -> None:
         """consume(target[chunk], z_chunk) for every chunk of one draw of n normals."""
         count = max(1, -(-n // CHUNK))
-        generators = None if self.secure else self.stream.generators(count)
+        sources = None if self.secure else self.stream.normal_sources(count)
 
         def one(chunk: int) -> None:
             piece = target[chunk * CHUNK : (chunk + 1) * CHUNK]
-            z = secure_standard_normal(len(piece)) if generators is None else generators[chunk].standard_normal(len(piece))
+            z = secure_standard_normal(len(piece)) if sources is None else sources[chunk](len(piece))
             consume(piece, z)
 
         if count == 1 or self.threads == 1:

@@ -3,7 +3,8 @@
 One step: (the caller samples a lot) → per-example gradients → per-block clipping → joint
 Gaussian noise, added on an integer grid so that the release is private as computed in floats
 (privacy/grid.py) → released gradient g̃_W = grid(Σ_i H_i,W + noise_W) / B_expected → one ledger
-line (durable) and one accountant step → written to p.grad. Optimizers only ever read p.grad
+line (durable) and one accountant step → written to p.grad. Before any of it, user code that
+would void the clipping is refused (privacy/conformance.py). Optimizers only ever read p.grad
 afterwards: post-processing.
 """
 
@@ -21,6 +22,7 @@ from torch.profiler import record_function
 
 from .accountant import NullAccountant, PrivacyAccountant
 from .blocks import BlockPartition
+from .conformance import StateGuard, check_first_micro_batch
 from .distributed import SINGLE, DataParallel
 from .engines import PerExampleLoss, build_engine
 from .ledger import PrivacyLedger, release_digest
@@ -112,6 +114,8 @@ class Privatizer:
         # Whether a re-run step may draw the noise of its earlier release again: true for seeded
         # noise restored from saved state, false in secure mode and after a fresh reseed.
         self.noise_may_repeat = not self.noise.secure
+        # Whether a micro-batch passed the loss and coupling checks (conformance.py): once per privatizer.
+        self.conformance_checked = False
 
     def release_noise_std(self) -> dict[str, float]:
         """Public per-entry noise std of g̃ for each parameter: std_W / B_expected."""
@@ -134,20 +138,15 @@ class Privatizer:
 
         With a ledger, `step` names the release; the ledger line is durable before p.grad is set.
         """
-        summed: dict[str, torch.Tensor] = {}
-        stats = ReleaseStats(clipped=torch.zeros(len(self.partition), dtype=torch.long))
-        for batch in micro_batches:
-            part, losses, clip = self._engine.clipped_sum(batch, loss_fn)
-            with record_function("dpmuon.lot_total"):
-                add_to_lot_total(summed, part)
-            finite = torch.isfinite(losses)
-            stats.lot_size += clip.examples
-            stats.loss_sum += float(losses[finite].sum())
-            stats.loss_count += int(finite.sum())
-            stats.norm_sum += clip.norm_sum
-            stats.nonfinite += clip.nonfinite
-            stats.clipped += clip.clipped
-
+        # Refusals of user code that voids clipping (privacy/conformance.py) come before anything
+        # is noised, recorded or charged, and leave the model's buffers as they were.
+        guard = StateGuard(self.model)
+        try:
+            summed, stats = self._clipped_total(micro_batches, loss_fn)
+            guard.check()
+        except BaseException:
+            guard.restore()
+            raise
         for name, p in self.params.items():
             if name not in summed:  # an empty lot
                 summed[name] = torch.zeros_like(p, dtype=torch.float64)
@@ -175,6 +174,27 @@ class Privatizer:
         for name, p in self.params.items():
             p.grad = released[name]
         return stats
+
+    def _clipped_total(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], ReleaseStats]:
+        """The lot's clipped sum (float64) and statistics; the first micro-batch with rows is first
+        checked for a per-example loss that does not couple the examples (once per privatizer)."""
+        summed: dict[str, torch.Tensor] = {}
+        stats = ReleaseStats(clipped=torch.zeros(len(self.partition), dtype=torch.long))
+        for batch in micro_batches:
+            if not self.conformance_checked:
+                with record_function("dpmuon.conformance"):
+                    self.conformance_checked = check_first_micro_batch(self.model, batch, loss_fn)
+            part, losses, clip = self._engine.clipped_sum(batch, loss_fn)
+            with record_function("dpmuon.lot_total"):
+                add_to_lot_total(summed, part)
+            finite = torch.isfinite(losses)
+            stats.lot_size += clip.examples
+            stats.loss_sum += float(losses[finite].sum())
+            stats.loss_count += int(finite.sum())
+            stats.norm_sum += clip.norm_sum
+            stats.nonfinite += clip.nonfinite
+            stats.clipped += clip.clipped
+        return summed, stats
 
     def _noised(self, summed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The release g̃ = grid(S + noise)/B of each parameter, noised on the integer grid

@@ -9,7 +9,10 @@ published lot sizes, recovered every lot.)
 
 Draw k of a stream is `Philox(key, counter=(0, chunk, k, 0))`: a function of the key and k alone,
 so a stream's position is one integer (what a resume restores), and the chunks of one large draw
-come from disjoint counter ranges that threads fill in parallel. By default each run draws its
+come from disjoint counter ranges that threads fill in parallel. Normals are numpy's ziggurat on
+those words, except that a draw beyond ±TAIL_REDRAW is redrawn from the Gaussian tail at full
+resolution (`gaussian_tail`) with words of `(0, chunk, k, 1)`: the ziggurat's own deep tail is
+coarse (privacy/grid.py), and such a draw has probability 1.2e-15. By default each run draws its
 keys from OS entropy; a user secret (`DPMUON_MECHANISM_SEED`) is hashed into them with a 256-bit
 `SeedSequence` pool, so every bit of it counts. In secure mode nothing is keyed at all: lots and
 noise come straight from the OS CSPRNG, so even a leaked key reveals nothing.
@@ -19,14 +22,21 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 
 import numpy as np
 
 OS_ENTROPY = "os entropy"
 USER_SEED = "user seed (the guarantee assumes it stays secret)"
+PUBLISHED_SEED = "published seed — no guarantee"  # a user seed the run declares published (privacy.published_seed)
 SECURE = "os csprng (secure mode: every draw from the OS, nothing seeded)"
 KEY_BITS = 128  # Philox4x64's key
 CHUNK = 1 << 16  # elements per generator of a draw: fits in cache while it is noised, and shares out over threads
+# |z| past which a normal draw is redrawn by `gaussian_tail`: numpy's ziggurat draws its tail by
+# −log1p(−u)/r from 53-bit u, whose atoms thin out as e^{r·(|z|−r)} (privacy/grid.py bounds it up
+# to here); past 12.23 it has none at all. A draw beyond it has probability 1.2e-15, so the outputs
+# of every practical run are those of the plain ziggurat.
+TAIL_REDRAW = 8.0
 
 
 class SecretStream:
@@ -41,8 +51,25 @@ class SecretStream:
     def generators(self, chunks: int = 1) -> list[np.random.Generator]:
         """The generators of the next draw, one per chunk (disjoint counter ranges)."""
         draw, self.draws = self.draws, self.draws + 1
+        return [self._generator(chunk, draw, 0) for chunk in range(chunks)]
+
+    def normal_sources(self, chunks: int = 1) -> list[Callable[[int], np.ndarray]]:
+        """The next draw as N(0, 1) sources, one per chunk: the ziggurat on counter (0, chunk, k, 0),
+        its draws beyond ±TAIL_REDRAW redrawn from the words of (0, chunk, k, 1)."""
+        draw, self.draws = self.draws, self.draws + 1
+
+        def source(chunk: int) -> Callable[[int], np.ndarray]:
+            def normals(n: int) -> np.ndarray:
+                z = self._generator(chunk, draw, 0).standard_normal(n)
+                return redraw_tail(z, self._generator(chunk, draw, 1).bit_generator.random_raw)
+
+            return normals
+
+        return [source(chunk) for chunk in range(chunks)]
+
+    def _generator(self, chunk: int, draw: int, lane: int) -> np.random.Generator:
         key = np.array([self.key & (2**64 - 1), self.key >> 64], dtype=np.uint64)
-        return [np.random.Generator(np.random.Philox(key=key, counter=[0, chunk, draw, 0])) for chunk in range(chunks)]
+        return np.random.Generator(np.random.Philox(key=key, counter=[0, chunk, draw, lane]))
 
     def state_dict(self) -> dict:
         return {"key": f"{self.key:032x}", "draws": self.draws}
@@ -91,16 +118,58 @@ def secure_uniform(n: int) -> np.ndarray:
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
 
 
+def secure_words(n: int) -> np.ndarray:
+    return np.frombuffer(secrets.token_bytes(8 * n), dtype=np.uint64)
+
+
 def secure_standard_normal(n: int) -> np.ndarray:
     """n draws of N(0, 1) in float64 by Box–Muller on OS CSPRNG bits: no seed exists to recover.
 
-    The radius' uniform takes 106 bits (53, then 53 more below them), so draws reach |z| ≈ 12.1,
-    past what the release's analysis covers (privacy/grid.py: |z| ≤ 12); with 53 bits alone they
-    would stop at 8.6, inside it.
+    The radius' uniform has full floating-point resolution (`fine_uniform`: relative 2⁻⁵² down to
+    2⁻¹²⁹), so the radius is as fine at 12 as at 1 and reaches 13.4; draws beyond ±TAIL_REDRAW are
+    redrawn by `gaussian_tail`, as the streams' are.
     """
     pairs = (n + 1) // 2
-    words = np.frombuffer(secrets.token_bytes(16 * pairs), dtype=np.uint64).reshape(2, pairs) >> np.uint64(11)
-    radius_u = (words[0].astype(np.float64) + (words[1].astype(np.float64) + 0.5) * 2.0**-53) * 2.0**-53
-    radius = np.sqrt(-2.0 * np.log(radius_u))
+    radius = np.sqrt(-2.0 * np.log(fine_uniform(secure_words(3 * pairs).reshape(3, pairs))))
     angle = 2.0 * math.pi * secure_uniform(pairs)
-    return np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:n]
+    return redraw_tail(np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:n], secure_words)
+
+
+def fine_uniform(words: np.ndarray) -> np.ndarray:
+    """Uniforms in (0, 1) at floating-point resolution from 3 words each (rows): U = V·2^−G, G the
+    trailing zeros of two words (geometric, P(G = g) = 2^−(g+1), capped at 128), V in [1/2, 1) on
+    52 bits. Each atom's probability is its spacing, 2⁻⁵² of its binade: −ln U has atoms 2⁻⁵² apart
+    at every depth, where a 53-bit fixed-point u has ln-spacing 2⁻⁵³/u."""
+    zeros = _trailing_zeros(words[0])
+    zeros += np.where(zeros == 64, _trailing_zeros(words[1]), 0)
+    half_to_one = ((words[2] >> np.uint64(12)) | np.uint64(1 << 52)).astype(np.float64) * 2.0**-53
+    return np.ldexp(half_to_one, -zeros.astype(np.int64))  # exact: U ≥ 2^−129 is a normal float
+
+
+def _trailing_zeros(words: np.ndarray) -> np.ndarray:
+    lowest = words & (~words + np.uint64(1))  # the lowest set bit; 0 for a zero word
+    return np.bitwise_count(lowest - np.uint64(1)).astype(np.int64)  # a zero word wraps to 64 ones
+
+
+def gaussian_tail(beyond: float, n: int, words: Callable[[int], np.ndarray]) -> np.ndarray:
+    """n draws of Z | Z > beyond, Z ~ N(0, 1), from 64-bit words (Marsaglia 1964): X = √(b² + 2E),
+    E = −ln U ~ Exp(1), kept with probability b/X. U is `fine_uniform`, so the atoms of X are about
+    2⁻⁵²/X apart at every depth up to √(b² + 256 ln 2) (15.5 at b = 8), and U₂ (53 bits) sets the
+    acceptance b/X ≥ 1/2 to 2⁻⁵³."""
+    out = np.empty(n, dtype=np.float64)
+    todo = np.arange(n)
+    while todo.size:
+        w = words(4 * todo.size).reshape(4, todo.size)
+        x = np.sqrt(beyond * beyond - 2.0 * np.log(fine_uniform(w[:3])))
+        kept = (w[3] >> np.uint64(11)).astype(np.float64) * 2.0**-53 * x < beyond
+        out[todo[kept]] = x[kept]
+        todo = todo[~kept]
+    return out
+
+
+def redraw_tail(z: np.ndarray, words: Callable[[int], np.ndarray]) -> np.ndarray:
+    """z with each draw beyond ±TAIL_REDRAW replaced, in place, by a `gaussian_tail` draw of its sign."""
+    far = np.flatnonzero(np.abs(z) > TAIL_REDRAW)
+    if far.size:
+        z[far] = np.copysign(gaussian_tail(TAIL_REDRAW, far.size, words), z[far])
+    return z

@@ -45,18 +45,28 @@ def user_seed(seed_file: str | Path | None, seed_file_key: str = SEED_FILE_KEY) 
 
 
 def read_seed_file(path: Path, seed_file_key: str = SEED_FILE_KEY) -> str:
-    """The file's text, if only its owner, this user, can read it (it holds the secret)."""
+    """The file's text, if it is a regular file that only its owner, this user, can read (it holds the secret)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # Looked at before it is opened: opening a FIFO waits for a writer, a device may act on
+        # open; and opened non-blocking, so that one swapped in after the look cannot hang either.
+        _require_regular(os.stat(path).st_mode, path, seed_file_key)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as err:
         raise UserError(f"{seed_file_key}={path}: cannot open ({err.strerror}); valid: an existing file holding one integer") from None
     with os.fdopen(fd, encoding="utf-8") as f:
         info = os.fstat(f.fileno())  # of the file opened, not of whatever the path names later
-        if not stat.S_ISREG(info.st_mode):
-            raise UserError(f"{seed_file_key}={path}: not a regular file; valid: a file holding one integer")
+        _require_regular(info.st_mode, path, seed_file_key)
         if info.st_uid != os.getuid() or info.st_mode & 0o077:
             raise UserError(f"{seed_file_key}={path}: others may read or change it; it must be yours and owner-only: chmod 600 {path}")
         try:
             return f.read()
         except UnicodeDecodeError:  # (its message would quote the bytes)
             raise UserError(f"{seed_file_key}={path}: not text (content not shown); valid: a file holding one integer") from None
+
+
+def _require_regular(mode: int, path: Path, seed_file_key: str) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kinds = {stat.S_ISDIR: "directory", stat.S_ISFIFO: "FIFO", stat.S_ISSOCK: "socket", stat.S_ISCHR: "character device", stat.S_ISBLK: "block device"}
+    kind = next((name for test, name in kinds.items() if test(mode)), "special file")
+    raise UserError(f"{seed_file_key}={path}: not a regular file (a {kind}); valid: a file holding one integer")

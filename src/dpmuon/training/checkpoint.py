@@ -6,19 +6,34 @@ config identity (a resume may never change the mechanism), and the head and leng
 privacy ledger (a resume refuses a ledger that lost lines). The lot sampler's and the noise's
 states are secret and live in the mechanism state (mechanism_state.py); ε is not stored at all:
 it is recomposed from the ledger's charged lines.
+
+A checkpoint is written atomically (temp file, fsync, rename: run_files.atomic_write) and
+checked before it is loaded (`load_verified`): torch.save writes a zip archive whose central
+directory comes last and whose every entry carries a CRC-32, so a file cut short (a copy onto
+a full disk) lacks the directory and an altered byte fails its entry's checksum. torch.load
+checks neither: it loads a flipped byte as a changed weight, and fails deep inside on a torn
+file.
 """
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import run_folder
+from ..errors import UserError, one_line
 from .run_files import atomic_write
 
 CHECKPOINT_FILE = run_folder.CHECKPOINT
+# What every checkpoint the loop writes holds; one without them was written by something else.
+CHECKPOINT_KEYS = ("step", "model", "optimizer", "scheduler", "rng", "plan")
+RESTORE_CHECKPOINT = (
+    f"restore {CHECKPOINT_FILE} from an intact copy (or delete it: the run then continues from step 0, and every release it made stays charged)"
+)
 
 
 def rng_snapshot(generators: dict[str, torch.Generator]) -> dict[str, Any]:
@@ -42,6 +57,29 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any] | None:
+    """The checkpoint at `path` (None: there is none); refuses one that is incomplete or damaged."""
     if not Path(path).exists():
         return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    state = load_verified(path, RESTORE_CHECKPOINT)
+    missing = [key for key in CHECKPOINT_KEYS if key not in state] if isinstance(state, dict) else list(CHECKPOINT_KEYS)
+    if missing:
+        raise UserError(f"cannot resume from {path}: it is no complete checkpoint (no {missing[0]!r} entry); {RESTORE_CHECKPOINT}")
+    return state
+
+
+def load_verified(path: Path, remedy: str) -> Any:
+    """torch.load of a file this package saved, once every entry matches its recorded CRC-32;
+    otherwise one line naming the file, what is wrong with it and `remedy` (what to do)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # reads every entry: the name of the first that fails its CRC-32
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, zlib.error) as err:
+        raise UserError(f"cannot resume from {path}: the file is incomplete or damaged (not a whole torch archive: {one_line(err)}); {remedy}") from None
+    except OSError as err:
+        raise UserError(f"cannot resume from {path}: cannot read it ({err.strerror or one_line(err)}); {remedy}") from None
+    if damaged is not None:
+        raise UserError(f"cannot resume from {path}: the file is damaged (its entry {damaged} fails its checksum); {remedy}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # an archive intact entry by entry that still does not unpickle
+        raise UserError(f"cannot resume from {path}: torch cannot load it ({type(err).__name__}: {one_line(err)}); {remedy}") from None

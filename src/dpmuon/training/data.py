@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from hydra.utils import instantiate
 
-from ..data import EncodedExample, EvalItem, Example, default_data_root, group_references
+from ..data import DataError, EncodedExample, EvalItem, Example, default_data_root, group_references
 
 
 @dataclass
@@ -22,24 +22,36 @@ class RunData:
     train_source: str  # which private training set this is; see train_fingerprint
 
 
-def prepare_data(dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None], progress: bool = True) -> RunData:
-    """`dataset` is the config section: its `_target_` class makes the reader."""
+def prepare_data(
+    dataset: Mapping, data: Mapping, tokenizer, context_length: int, log: Callable[[str], None], progress: bool = True, publish_counts: bool = False
+) -> RunData:
+    """`dataset` is the config section: its `_target_` class makes the reader.
+
+    How many training examples the length filter dropped is a count of the private set's
+    contents outside the guarantee (it tells whether a long example is in it, which N does not),
+    so it is logged — train.log is published — only with `publish_counts` (the driver's
+    logging.nonprivate_diagnostics=publish). N itself is public: docs/privacy.md, threat model."""
     settings, root = instantiate(dataset, _convert_="all"), data.get("root")
     reader = settings.reader(Path(default_data_root() if root is None else root), tokenizer, progress=progress)
     name, load, encode = settings.name, reader.examples, reader.encode
 
     train_raw = _first(load("train"), data.get("max_train_examples"))
     train, dropped = encode(train_raw, settings.max_length)
-    log(f"{name} train: {len(train):,} examples ({dropped:,} dropped as longer than {settings.max_length} tokens)")
+    dropped_note = f"{dropped:,} dropped" if publish_counts else "those dropped, not counted here,"
+    log(f"{name} train: {len(train):,} examples ({dropped_note} as longer than {settings.max_length} tokens)")
+    _refuse_emptied(f"{name} train", dropped, train, f"dataset.max_length={settings.max_length} tokens; raise dataset.max_length")
 
+    beyond_context = f"the model's context of {context_length} tokens; raise model.n_positions (or use a model with a longer context)"
     valid_raw = _first(load("valid"), data.get("max_valid_examples"))
     valid, dropped = encode(valid_raw, context_length)
     log(f"{name} valid: {len(valid):,} examples for validation NLL ({dropped} beyond the context length)")
+    _refuse_emptied(f"{name} valid", dropped, valid, beyond_context)
 
     test_items = _first(group_references(load("test")), data.get("max_test_sources"))
     pairs = [Example(item.source, ref) for item in test_items for ref in item.references]
     test, dropped = encode(pairs, context_length)
     log(f"{name} test: {len(test_items):,} sources, {len(test):,} reference pairs ({dropped} beyond the context length)")
+    _refuse_emptied(f"{name} test", dropped, test, beyond_context)
     return RunData(train, valid, test_items, test, train_fingerprint(train))
 
 
@@ -62,6 +74,12 @@ def train_fingerprint(train: Sequence[EncodedExample]) -> str:
             h.update(len(ids).to_bytes(8, "little"))  # lengths delimit: no two lists hash alike
             h.update(np.asarray(ids, dtype="<i8").tobytes())
     return h.hexdigest()
+
+
+def _refuse_emptied(split: str, dropped: int, kept: Sequence[EncodedExample], limit: str) -> None:
+    """A split the length filter left empty: its NLL would be 0/0 and its plan N = 0."""
+    if dropped and not kept:
+        raise DataError(f"{split}: all {dropped:,} examples are longer than {limit}")
 
 
 def _first(items: list, limit) -> list:

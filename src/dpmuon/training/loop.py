@@ -9,6 +9,8 @@ The private part is three lines per step — sample a lot, `privatizer.release(.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import signal
 import statistics
@@ -55,6 +57,7 @@ from ..privacy.distributed import DataParallel, init_data_parallel
 from ..privacy.ledger import LedgerIntegrityError
 from ..privacy.mechanism import Mechanism, PrivacySettings, build_mechanism, check_plan_inputs
 from ..privacy.plan import PrivacyPlan, check_resume_compatible
+from ..privacy.randomness import PUBLISHED_SEED, USER_SEED
 from .batching import lot_micro_batches
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_restore, rng_snapshot, save_checkpoint
 from .data import RunData, prepare_data
@@ -69,10 +72,14 @@ from .mechanism_state import (
     save_mechanism_state,
     saved_mechanism_states,
 )
-from .run_files import MetricsLog, atomic_write, atomic_write_json, code_version, command_line, freeze_times, repo_relative
+from .run_files import MetricsLog, WriteFailed, atomic_write, atomic_write_json, code_version, command_line, freeze_times, repo_relative
 from .run_identity import check_same_run, config_identity, run_dir_claimed
 from .runtime import StopRequest, autocast_factory, log, resolve_device, resolve_precision
 from .secret import record_seed_use, user_mechanism_secret
+
+# OSErrors a write raises where the run folder cannot take it (the privacy ledger's own, a model's
+# save_pretrained): full, over quota, failing, read-only, or taken away.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 @dataclass
@@ -158,21 +165,23 @@ def run_claimed(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     version, command = code_version(), command_line()  # of the code that starts the run (argv holds no seed: see train.cli)
     t = setup(cfg, run_dir)
     try:
-        resume(t)
-        stop_reason = train(t)
+        with failed_writes_stop(t):
+            resume(t)
+            stop_reason = train(t)
     finally:
         t.mechanism.close()
         t.parallel.leave()  # nothing after training is collective: rank 0 evaluates alone
     if not t.parallel.is_main:  # rank 0 evaluates and writes the artifacts
         return None
     try:
-        diverged = stop_reason is not None and stop_reason.startswith(NON_FINITE)
-        test_nll, scores = (None, dict.fromkeys(SCORE_KEYS)) if diverged else evaluate(t)
-        if test_nll is not None and not math.isfinite(test_nll):
-            stop_reason = f"{NON_FINITE}: the test NLL is {test_nll} after step {t.last_step} (the model diverged; lower the learning rate)"
-            log(stop_reason)
-        summary = run_summary(t, stop_reason, test_nll, scores, version, command).as_dict()
-        finish(t, summary)
+        with failed_writes_stop(t):
+            diverged = stop_reason is not None and stop_reason.startswith(NON_FINITE)
+            test_nll, scores = (None, dict.fromkeys(SCORE_KEYS)) if diverged else evaluate(t)
+            if test_nll is not None and not math.isfinite(test_nll):
+                stop_reason = f"{NON_FINITE}: the test NLL is {test_nll} after step {t.last_step} (the model diverged; lower the learning rate)"
+                log(stop_reason)
+            summary = run_summary(t, stop_reason, test_nll, scores, version, command).as_dict()
+            finish(t, summary)
     finally:  # training is over, even if evaluation or the logger failed: no step is left to replay
         discard_mechanism_state(t.run_dir, keep=bool(t.cfg.privacy.get("keep_mechanism_state", False)))
     return summary
@@ -203,7 +212,9 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     with blamed_on("model.name_or_path", cfg.model.name_or_path):
         max_length = model_settings.context_length()
     try:
-        data = prepare_data(cfg.dataset, cfg.data, tokenizer, max_length, log, progress=bool(cfg.logging.progress))
+        data = prepare_data(
+            cfg.dataset, cfg.data, tokenizer, max_length, log, progress=bool(cfg.logging.progress), publish_counts=diagnostics_mode(cfg) == "publish"
+        )
     except OSError as err:  # e.g. an unreadable file: name it, and the key that says where data comes from
         raise DataError(
             f"cannot read {err.filename or 'the data'}: {err.strerror or one_line(err)}; "
@@ -320,6 +331,8 @@ def resume(t: Training) -> None:
         t.scheduler.load_state_dict(state["scheduler"])
         rng_restore(state["rng"], t.generators)
         t.start_step, t.train_seconds, logger_id = state["step"], state.get("train_seconds", 0.0), state.get("logger_id")
+    elif t.private and t.mechanism.release.accountant.steps and not t.mechanism.within_budget():
+        raise UserError(spent_without_checkpoint(t))
     t.last_step = t.start_step
     saved = None
     if t.private:
@@ -592,6 +605,7 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         steps=t.last_step,
         planned_steps=plan.steps,
         releases_charged=t.mechanism.release.accountant.steps,
+        **ledger_record(t.mechanism.ledger),
         release_slack=asdict(plan.slack) if plan.private else None,
         stopped_by_budget_guard=stop_reason is not None and not stop_reason.startswith(NON_FINITE),
         stop_reason=stop_reason,
@@ -620,7 +634,8 @@ def mechanism_fields(cfg: DictConfig, private: bool, randomness: MechanismRandom
     if not private:
         return {"mechanism_randomness": None, "clip_mode": None, "clip_norm": None, "sampling": "poisson", "engine": None}
     return {
-        "mechanism_randomness": randomness.source,
+        # A published seed regenerates every lot and noise draw: the ε below is then no guarantee.
+        "mechanism_randomness": PUBLISHED_SEED if cfg.privacy.get("published_seed") and randomness.source == USER_SEED else randomness.source,
         "clip_mode": cfg.privacy.clip_mode,
         "clip_norm": float(cfg.privacy.clip_norm),
         "sampling": cfg.privacy.sampling,
@@ -648,6 +663,33 @@ def finish(t: Training, summary: dict[str, Any]) -> None:
 
 
 # ---- the parts -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def failed_writes_stop(t: Training):
+    """A run file that cannot be written (a full disk, a quota, an I/O error) ends the run where
+    it is, before another release, in one line that says how far it got and how to go on."""
+    try:
+        yield
+    except OSError as err:
+        if not isinstance(err, WriteFailed) and err.errno not in WRITE_ERRNOS:
+            raise
+        failed = err if isinstance(err, WriteFailed) else WriteFailed(err.filename or t.run_dir, err)
+        raise UserError(
+            f"{failed}; the run stopped after step {t.last_step} of {t.plan.steps}, releasing nothing more; "
+            f"free space (or fix the folder), then resume with: python -m dpmuon.train resume={t.run_dir}"
+        ) from err
+
+
+def spent_without_checkpoint(t: Training) -> str:
+    """Why a resume with no checkpoint is refused once the budget allows no further release."""
+    accountant = t.mechanism.release.accountant
+    return (
+        f"cannot resume {t.run_dir}: its ledger charges {accountant.steps} releases (ε {accountant.epsilon():.4g} of "
+        f"privacy.target_epsilon={t.plan.target_epsilon:g}) and the budget allows no more, but no {CHECKPOINT_FILE} holds the "
+        f"weights they trained, so the resumed run would report the initial weights; restore {CHECKPOINT_FILE} from a copy, "
+        "or start a new run in a new directory (these releases stay spent)"
+    )
 
 
 def check_ledger_kept(run_dir: Path) -> None:

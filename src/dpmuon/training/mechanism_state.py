@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from .. import run_folder
-from .checkpoint import CHECKPOINT_FILE
+from .checkpoint import CHECKPOINT_FILE, load_verified
 from .run_files import atomic_write, temp_files
 
 MECHANISM_STATE_FILE = run_folder.MECHANISM_STATE
 KEPT_STATES = 2
+RESTORE_STATE = f"restore {MECHANISM_STATE_FILE} from an intact copy (or delete it: re-run steps then draw fresh randomness and are charged)"
 
 
 def save_mechanism_state(path: Path, step: int, state: dict[str, Any]) -> None:
@@ -68,4 +69,4 @@ def discard_mechanism_state(run_dir: Path, keep: bool) -> None:
 def _read(path: Path) -> dict[int, dict[str, Any]]:
     if not Path(path).exists():
         return {}
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_verified(path, RESTORE_STATE)

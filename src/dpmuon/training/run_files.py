@@ -3,12 +3,14 @@
 A run killed at any instant leaves either the old or the new version of a file, never a torn
 one; metrics rows are durable once `append` returns, and a resume moves rows past the
 checkpoint aside (to metrics.superseded.jsonl), so none is duplicated and none is forgotten.
+A write that fails (a full disk, a quota, an I/O error) raises `WriteFailed`, one line naming
+the file, and leaves the old version in place.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
-import io
 import json
 import os
 import shlex
@@ -20,27 +22,82 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import fsync_dir
+from ..errors import UserError, one_line
 from ..jsontext import to_json
 from ..paths import REPO_ROOT
 
 
-def atomic_write(path: Path, write: Callable[[io.BufferedWriter], None], secret: bool = False) -> None:
+class WriteFailed(UserError, OSError):
+    """A run file that could not be written: `cannot write <file>: <the system's reason> (<ERRNO>)`.
+
+    An OSError still (errno, strerror, filename), and a UserError: the driver prints it as one
+    line and records it in train.log.
+    """
+
+    def __init__(self, path: Path | str, error: OSError):
+        super().__init__(error.errno, error.strerror or one_line(error), str(path))
+
+    def __str__(self) -> str:
+        code = errno.errorcode.get(self.errno) if isinstance(self.errno, int) else None
+        return f"cannot write {self.filename}: {self.strerror}" + (f" ({code})" if code else "")
+
+
+class WriteSink:
+    """The temp file as `atomic_write`'s `write` sees it: it keeps the OSError a write raised,
+    which torch.save turns into a RuntimeError that no longer says what failed (on a full disk:
+    `[enforce fail at inline_container.cc] unexpected pos`)."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as err:
+            self.error = err
+            raise
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+
+def atomic_write(path: Path, write: Callable[[WriteSink], None], secret: bool = False) -> None:
     """Write via a temp file in the same directory, fsync, then rename over `path`.
 
     The file gets the permissions a plain `open` would give (0666 less the umask): mkstemp's
     0600 would hide a run's published record from the colleagues the umask shares it with.
-    `secret=True` keeps it owner-only, set before any byte is written.
+    `secret=True` keeps it owner-only, set before any byte is written. Any OSError on the way
+    (creating, writing, syncing, renaming) raises `WriteFailed` naming `path`; the temp file is
+    removed (on a full disk, that frees the space it took) and `path` keeps its old content.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise WriteFailed(path, err) from err
     try:
         os.fchmod(fd, 0o600 if secret else published_mode())
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            sink = WriteSink(f)
+            try:
+                write(sink)
+            except Exception:
+                if sink.error is not None:  # the cause, not what a serializer made of it
+                    raise sink.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        raise WriteFailed(path, err) from err
     finally:  # whatever was raised (KeyboardInterrupt too); after the rename there is nothing left
         Path(tmp).unlink(missing_ok=True)
     fsync_dir(path.parent)
@@ -96,10 +153,13 @@ class MetricsLog:
 
     def append(self, row: dict) -> None:
         line = to_json(row, sort_keys=True) + "\n"
-        with self._open_append(self.path) as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with self._open_append(self.path) as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            raise WriteFailed(self.path, err) from err
 
     def set_aside_after(self, step: int) -> int:
         """Move rows logged after `step` (re-run on resume) and damaged lines to the superseded
@@ -130,10 +190,13 @@ class MetricsLog:
             else:
                 kept.append(row)
         if moved:
-            with self._open_append(self.superseded_path) as f:
-                f.write("".join(to_json(row, sort_keys=True) + "\n" for row in moved))
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with self._open_append(self.superseded_path) as f:
+                    f.write("".join(to_json(row, sort_keys=True) + "\n" for row in moved))
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as err:
+                raise WriteFailed(self.superseded_path, err) from err
         rewritten = "".join(to_json(row, sort_keys=True) + "\n" for row in kept)
         atomic_write(self.path, lambda f: f.write(rewritten.encode()), secret=self.secret)
         return len(moved)

@@ -4,7 +4,10 @@ Two processes in one folder would interleave their releases in one privacy ledge
 each other's files, so the process that runs there holds `run.lock` (`fcntl.flock`, exclusive)
 from before Hydra writes its records until it exits; a second process is refused with the
 holder's PID. The kernel drops the lock when its holder dies, even by SIGKILL, so a stale
-file never blocks a resume.
+file never blocks a resume. Creating and removing the lock file sets the folder's times, so a
+folder whose times were frozen (a finished run, run_files.freeze_times) gets them back when its
+lock is released: a later command that locks it (and is refused, or checks it at exit) would
+otherwise stamp it with the moment that run ended.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from pathlib import Path
 
 from .. import run_folder
 from ..errors import UserError
+from .run_files import FROZEN_TIME
 
 LOCK_FILE = run_folder.LOCK
-_HELD: dict[Path, int] = {}  # run directory (resolved) → the descriptor holding its lock
+_HELD: dict[Path, tuple[int, bool]] = {}  # run directory (resolved) → (the descriptor holding its lock, its times were frozen)
 
 
 def lock_run_dir(run_dir: Path) -> bool:
@@ -28,6 +32,7 @@ def lock_run_dir(run_dir: Path) -> bool:
     if key in _HELD:
         return False
     key.mkdir(parents=True, exist_ok=True)
+    frozen = os.stat(key).st_mtime == FROZEN_TIME  # before the lock file changes it
     path = key / LOCK_FILE
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -46,17 +51,20 @@ def lock_run_dir(run_dir: Path) -> bool:
         os.close(fd)
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    _HELD[key] = fd
+    _HELD[key] = (fd, frozen)
     return True
 
 
 def unlock_run_dir(run_dir: Path) -> None:
     """Release the folder's lock (if this process holds it) and remove the lock file."""
-    fd = _HELD.pop(Path(run_dir).resolve(), None)
+    key = Path(run_dir).resolve()
+    fd, frozen = _HELD.pop(key, (None, False))
     if fd is None:
         return
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(Path(run_dir).resolve() / LOCK_FILE)  # while still locked: see lock_run_dir
+        os.unlink(key / LOCK_FILE)  # while still locked: see lock_run_dir
+    if frozen:  # (listing it, as a check does, set its access time too)
+        os.utime(key, (FROZEN_TIME, FROZEN_TIME))
     os.close(fd)
 
 

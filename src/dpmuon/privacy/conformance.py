@@ -1,0 +1,356 @@
+"""What user code must do for per-example clipping to bound one example's influence, checked by
+behaviour before anything is released or charged (the privatizer calls these; driver, façade and
+DPTrainer all release through it).
+
+- `check_first_micro_batch` (the first micro-batch of a privatizer's first release): `loss_fn`
+  returns one finite-somewhere loss per row, shape [B]; no module holding trainable parameters is
+  computed once and broadcast over the rows; no example's loss depends on another example,
+  neither through the gradient (a module or the loss mixing rows: batch-norm statistics, a mean
+  over the micro-batch) nor through the values (a loss divided by the micro-batch's token count,
+  Hugging Face's `num_items_in_batch`; a weight by position).
+- `StateGuard` (every release): no buffer and no parameter of the model is written while the
+  release runs — a buffer written from private examples (running statistics, a cache) is
+  published with the model outside the guarantee. Buffers are restored on any refusal.
+
+Each refusal is one UserError line naming the loss or the module.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from ..errors import UserError
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+# A recomputed loss equals its in-batch value to this relative error: float32 reductions over
+# other batch shapes differ by ~1e-6; half-precision forwards (bf16/fp16 activations, autocast)
+# round each activation to 2^-8, and kernels chosen per shape then move a loss by up to ~1%.
+RTOL_FLOAT32 = 1e-4
+RTOL_HALF = 3e-2
+# A gradient that does not depend on other rows is exactly 0 there; this only absorbs a stray
+# rounding of a zero product.
+GRADIENT_LEAK = 1e-6
+
+PER_EXAMPLE_HINT = "e.g. dpmuon.models.per_example_lm_loss: each example's NLL over its own supervised tokens"
+
+
+def loss_name(loss_fn: LossFn) -> str:
+    return getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+
+
+def micro_batch_rows(batch: Any) -> int:
+    """The micro-batch's number of rows: the leading size most of its tensors share."""
+    sizes = Counter(t.shape[0] for t in _tensors(batch) if t.dim() >= 1)
+    return sizes.most_common(1)[0][0] if sizes else 0
+
+
+def select_rows(batch: Any, rows: Sequence[int], size: int) -> Any:
+    """The batch restricted to `rows` (repeats and order kept): every tensor whose leading size is
+    the batch's `size` is indexed, all else kept as is. The columns stay as collated, so padding
+    widths do not change."""
+    if isinstance(batch, torch.Tensor):
+        return batch[torch.as_tensor(rows, device=batch.device)] if batch.dim() >= 1 and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        return {k: select_rows(v, rows, size) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(select_rows(v, rows, size) for v in batch)
+    return batch
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a (nested) batch or module output: Mappings (HF ModelOutput too), lists, tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def check_losses(losses: Any, rows: int, name: str) -> None:
+    """loss_fn's output: a floating tensor of shape [rows], finite for at least one row."""
+    if not isinstance(losses, torch.Tensor) or not losses.is_floating_point():
+        got = f"a {losses.dtype} tensor" if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise UserError(f"loss_fn {name} returned {got}; it must return the per-example losses, a float tensor of shape [{rows}] ({PER_EXAMPLE_HINT})")
+    if tuple(losses.shape) != (rows,):
+        raise UserError(
+            f"loss_fn {name} returned a tensor of shape {tuple(losses.shape)} for a micro-batch of {rows} rows; it must return the "
+            f"per-example losses, shape [{rows}], not their mean or sum ({PER_EXAMPLE_HINT})"
+        )
+    if not bool(torch.isfinite(losses.detach()).any()):
+        raise UserError(
+            f"loss_fn {name} returned a non-finite loss (NaN/inf) for every one of the {rows} rows of the first micro-batch: the "
+            "release would be noise alone; fix the loss (an example with no supervised token must get 0, not 0/0) — nothing was charged"
+        )
+
+
+@dataclass
+class Call:
+    """One module call of the traced forward: its differentiable tensor inputs and outputs."""
+
+    name: str
+    module: nn.Module
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    # Where autograd delivers each tensor's gradient, taken at the call: a tensor changed in place
+    # later (a residual `h += …`) then still means the value this call saw or made.
+    input_edges: list[GradientEdge | None]
+    output_edges: list[GradientEdge | None]
+
+
+@contextmanager
+def _traced(model: nn.Module) -> Iterator[list[Call]]:
+    names = {m: n for n, m in model.named_modules()}
+    calls: list[Call] = []
+
+    def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        inputs = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+        outputs = [t for t in _tensors(output) if t.is_floating_point()]
+        calls.append(Call(names.get(module, type(module).__name__), module, inputs, outputs, _edges(inputs), _edges(outputs)))
+
+    handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _edges(tensors: list[torch.Tensor]) -> list[GradientEdge | None]:
+    return [get_gradient_edge(t) if t.requires_grad else None for t in tensors]
+
+
+def _per_row(tensors: list[torch.Tensor], edges: list[GradientEdge | None], size: int) -> list[tuple[torch.Tensor, GradientEdge]]:
+    """The differentiable tensors of a call laid out one row per example."""
+    return [(t, e) for t, e in zip(tensors, edges) if e is not None and t.dim() >= 1 and t.shape[0] == size]
+
+
+def check_first_micro_batch(model: nn.Module, batch: Any, loss_fn: LossFn) -> bool:
+    """Refuse a loss_fn or model that would void per-example clipping (see the module docstring).
+
+    Returns False when the micro-batch has no rows (check a later one). A micro-batch of one row
+    is checked as that row twice: coupling needs two rows to show.
+    """
+    rows = micro_batch_rows(batch)
+    if rows == 0:
+        return False
+    name = loss_name(loss_fn)
+    probe, size = (batch, rows) if rows >= 2 else (select_rows(batch, [0, 0], rows), 2)
+    with _rng_kept(model):
+        with torch.enable_grad(), _traced(model) as calls:
+            losses = loss_fn(model, probe)
+        check_losses(losses, size, name)
+        _refuse_broadcast_modules(calls, size)
+        with warnings.catch_warnings():
+            # An engine's full backward hooks (Opacus'), disabled outside its own step, still warn
+            # when these probes differentiate module outputs whose inputs need no gradient.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            _refuse_gradient_coupling(losses, calls, size, name)
+        half = any(t.dtype in (torch.float16, torch.bfloat16) for call in calls for t in call.outputs)
+        del losses, calls  # free the traced graph before the value probes
+        _refuse_value_coupling(model, probe, size, loss_fn, name, RTOL_HALF if half else RTOL_FLOAT32)
+    return True
+
+
+def _rng_kept(model: nn.Module):
+    """The global RNG streams (dropout's) as they were before the check: a resumed run, which checks
+    its first release again, then draws the same dropout masks as one never interrupted."""
+    devices = sorted({p.device for p in model.parameters() if p.device.type != "cpu"}, key=str)
+    return torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda")
+
+
+def _refuse_broadcast_modules(calls: list[Call], size: int) -> None:
+    """A module holding trainable parameters computed once for all rows (HF GPT-2's position
+    embedding without position_ids) adds the rows' gradients before any hook could tell them apart."""
+    for call in calls:
+        trainable = any(p.requires_grad for p in call.module.parameters(recurse=False))
+        if trainable and call.outputs and call.outputs[0].dim() >= 1 and call.outputs[0].shape[0] == 1:
+            raise UserError(
+                f"model module {call.name!r} ({type(call.module).__name__}) was computed once (output shape {tuple(call.outputs[0].shape)}) "
+                f"and broadcast over the micro-batch's {size} rows, so its per-example gradients cannot be formed; give it batch-shaped "
+                "inputs — for Hugging Face GPT-2, pass position_ids of shape [B, T] (dpmuon.models.position_ids_for(attention_mask), "
+                "as dpmuon.models.per_example_lm_loss does)"
+            )
+
+
+def _split(losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows probed (every other finite row) and rows watched (the other finite rows)."""
+    finite = torch.isfinite(losses.detach()).nonzero().flatten()
+    return finite[0::2], finite[1::2]
+
+
+def _leaks(grad: torch.Tensor | None, probed: torch.Tensor, watched: torch.Tensor) -> bool:
+    if grad is None:
+        return False
+    flat = grad.detach().reshape(grad.shape[0], -1).abs()  # rows × the rest (a row may be one number)
+    if flat.shape[1] == 0:
+        return False
+    leak, scale = flat[watched].max(), flat[probed].max()
+    # Not `leak > …`: a NaN that reaches another example's rows (0·NaN in a backward) leaks too —
+    # the engine would drop that example because of another one.
+    return not bool(leak <= GRADIENT_LEAK * scale)
+
+
+def _refuse_gradient_coupling(losses: torch.Tensor, calls: list[Call], size: int, name: str) -> None:
+    """d(Σ of the probed rows' losses)/d(every row-major activation) must vanish on the other rows."""
+    probed, watched = _split(losses)
+    edges = [e for call in calls for _, e in _per_row(call.outputs, call.output_edges, size)]
+    if len(watched) == 0 or not edges or not losses.requires_grad:
+        return
+    grads = torch.autograd.grad(losses[probed].sum(), edges, allow_unused=True, retain_graph=True)
+    if not any(_leaks(g, probed, watched) for g in grads):
+        return
+    mixers = [call for call in calls if _mixes_rows(call, size, probed, watched)]
+    innermost = [c for c in mixers if not any(o is not c and _is_inside(o.module, c.module) for o in mixers)]
+    if innermost:
+        call = innermost[0]
+        raise UserError(
+            f"model module {call.name or '(the model)'!r} ({type(call.module).__name__}) mixes the examples of a micro-batch: one "
+            "example's activations move another's loss, so per-example clipping does not bound one example's influence; compute each "
+            "row from its own inputs (batch-norm: eval mode, or LayerNorm / GroupNorm) — nothing was charged"
+        )
+    raise UserError(
+        f"loss_fn {name} mixes the examples of a micro-batch: one example's loss depends on another example's outputs (e.g. a mean "
+        f"over the micro-batch subtracted or divided by), so per-example clipping does not bound one example's influence; return each "
+        f"example's own loss ({PER_EXAMPLE_HINT}) — nothing was charged"
+    )
+
+
+def _is_inside(inner: nn.Module, outer: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _mixes_rows(call: Call, size: int, probed: torch.Tensor, watched: torch.Tensor) -> bool:
+    """Whether this module call's own Jacobian moves the probed rows' outputs by other rows' inputs."""
+    outputs = _per_row(call.outputs, call.output_edges, size)
+    inputs = [e for _, e in _per_row(call.inputs, call.input_edges, size)]
+    if not outputs or not inputs:
+        return False
+    cotangents = []
+    for t, _ in outputs:
+        c = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+        c[probed] = 1
+        cotangents.append(c)
+    grads = torch.autograd.grad([e for _, e in outputs], inputs, cotangents, allow_unused=True, retain_graph=True)
+    return any(_leaks(g, probed, watched) for g in grads)
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode (dropout off: a row recomputed must see the same function), each
+    restored to its own mode after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.train(mode)
+
+
+def _refuse_value_coupling(model: nn.Module, batch: Any, size: int, loss_fn: LossFn, name: str, rtol: float) -> None:
+    """Each half of the rows, in reverse order, recomputed without the other half: every loss must
+    come out as it did in the whole micro-batch (a loss divided by the micro-batch's token count
+    or number of rows does not; neither does one weighted by its row's position)."""
+    half = size // 2
+    probes = [list(reversed(range(half))), list(reversed(range(half, size)))]
+    with torch.no_grad(), _eval_mode(model):
+        whole = loss_fn(model, batch).detach().double()
+        for rows in probes:
+            again = loss_fn(model, select_rows(batch, rows, size))
+            expected = whole[torch.as_tensor(rows, device=whole.device)]
+            if not isinstance(again, torch.Tensor) or tuple(again.shape) != (len(rows),):
+                shape = tuple(again.shape) if isinstance(again, torch.Tensor) else type(again).__name__
+                raise UserError(
+                    f"loss_fn {name} returned {shape} for {len(rows)} of the micro-batch's rows; it must return shape [{len(rows)}] ({PER_EXAMPLE_HINT})"
+                )
+            _compare(again.detach().double(), expected, whole, rows, size, name, rtol)
+
+
+def _compare(again: torch.Tensor, expected: torch.Tensor, whole: torch.Tensor, rows: list[int], size: int, name: str, rtol: float) -> None:
+    finite = torch.isfinite(whole)
+    scale = float(whole[finite].abs().max()) if bool(finite.any()) else 0.0
+    same_finiteness = torch.isfinite(again) == torch.isfinite(expected)
+    close = (again - expected).abs() <= rtol * (expected.abs() + scale)
+    good = same_finiteness & (close | ~torch.isfinite(expected))
+    if bool(good.all()):
+        return
+    at = int((~good).nonzero()[0])
+    raise UserError(
+        f"loss_fn {name} couples the examples of a micro-batch: row {rows[at]}'s loss is {float(expected[at]):.6g} among {size} rows "
+        f"and {float(again[at]):.6g} among {len(rows)} of them (same tensors, rows selected); a loss divided by the micro-batch's token "
+        f"count (Hugging Face's num_items_in_batch) or rows lets one example scale every other's gradient, which clipping does not "
+        f"bound; divide each example by its own count ({PER_EXAMPLE_HINT}) — nothing was charged"
+    )
+
+
+class StateGuard:
+    """Snapshot of the model's buffers (values and identity) and parameters (identity and version)
+    taken before a release: `check` refuses any written while it ran; `restore` puts the buffers
+    back (a refused release leaves no trace of its examples in them)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.buffers = {(name, id(m)): (m, b, b.detach().clone()) for name, m, b in _named_state(model, "_buffers")}
+        self.params = {(name, id(m)): (m, p, p._version) for name, m, p in _named_state(model, "_parameters")}
+
+    def check(self) -> None:
+        after_buffers = {(name, id(m)): (m, b) for name, m, b in _named_state(self.model, "_buffers")}
+        for key in after_buffers.keys() - self.buffers.keys():
+            self._refuse(key, after_buffers[key][0], "buffer", "added")
+        for key in self.buffers.keys() - after_buffers.keys():
+            self._refuse(key, self.buffers[key][0], "buffer", "removed")
+        for key in self.buffers:
+            module, before, value = self.buffers[key]
+            now = after_buffers[key][1]
+            if now is not before or not _same_bits(now, value):
+                self._refuse(key, module, "buffer", "wrote")
+        after_params = {(name, id(m)): (m, p) for name, m, p in _named_state(self.model, "_parameters")}
+        for key, (module, before, version) in self.params.items():
+            now = after_params.get(key, (None, None))[1]
+            if now is not before or now._version != version:
+                self._refuse(key, module, "parameter", "wrote")
+
+    def restore(self) -> None:
+        for name, module, _ in list(_named_state(self.model, "_buffers")):
+            if (name, id(module)) not in self.buffers:
+                del module._buffers[name]
+        for (name, _), (module, before, value) in self.buffers.items():
+            with torch.no_grad():
+                before.copy_(value)
+            module._buffers[name] = before
+
+    def _refuse(self, key: tuple[str, int], module: nn.Module, kind: str, what: str) -> None:
+        module_name = next((n for n, m in self.model.named_modules() if m is module), type(module).__name__)
+        raise UserError(
+            f"model module {module_name or '(the model)'!r} ({type(module).__name__}) {what} its {kind} {key[0]!r} during the release's "
+            "forward: state computed from private examples is published with the model (state_dict) outside the guarantee; keep the "
+            "module from updating state in forward (norm layers: track_running_stats=False or eval mode) — restored, nothing charged"
+        )
+
+
+def _named_state(model: nn.Module, slot: str) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:
+    """(local name, owning module, tensor) of every buffer or parameter, once per owner."""
+    for module in model.modules():
+        for name, t in getattr(module, slot).items():
+            if t is not None:
+                yield name, module, t
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bitwise, so that a NaN kept is equal and -0.0 written over 0.0 is not.
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
