@@ -31,6 +31,7 @@ from torch import nn
 
 from .errors import UserError, one_line
 from .models import hidden_matrices
+from .privacy.conformance import check_user_code
 from .privacy.engines import PerExampleLoss
 from .privacy.engines.base import EXAMPLE_MASK
 from .privacy.mechanism import Mechanism, PrivacySettings, build_mechanism, check_plan_inputs
@@ -301,7 +302,7 @@ def make_private(
         constant_time=constant_time,
     )
     check_plan_inputs(settings, len(train_dataset))
-    shapes = fixed_shapes(train_dataset, collate_fn, micro_batch_size) if constant_time else None
+    shapes = checked_user_code(model, train_dataset, collate_fn, loss_fn, micro_batch_size, constant_time)
     secret = user_seed(mechanism_seed_file, seed_file_key="mechanism_seed_file")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -353,6 +354,16 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def checked_user_code(model: nn.Module, dataset: Sequence, collate_fn: Callable, loss_fn: PerExampleLoss, micro_batch_size: int, constant_time: bool):
+    """make_private's checks of the user's code on the training set's first examples, before the
+    mechanism exists: collate_fn's fixed shapes (returned; None without constant-time lots), then
+    loss_fn and the model (privacy/conformance.py `check_user_code`)."""
+    shapes = fixed_shapes(dataset, collate_fn, micro_batch_size) if constant_time else None
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    check_user_code(model, loss_fn, lambda rows: to_device(collate_fn([dataset[i] for i in rows]), device), min(micro_batch_size, len(dataset)))
+    return shapes
 
 
 def fixed_shapes(dataset: Sequence, collate_fn: Callable, micro_batch_size: int) -> dict[str, tuple[int, ...]]:

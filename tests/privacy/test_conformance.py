@@ -66,12 +66,12 @@ def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def refused_without_charge(tmp_path: Path, loss_fn=own_tokens_loss, model: nn.Module | None = None, **overrides) -> str:
-    """Make the façade's first release fail; the one-line message, after checking nothing was charged."""
-    private = dpmuon.make_private(model or TinyLM(), dataset(), collate, loss_fn, run_dir=tmp_path / "run", **{**SETTINGS, **overrides})
+    """make_private (its checks on the first examples) or else the façade's first release fails: the
+    one-line message, after checking nothing was charged."""
     with pytest.raises(UserError) as caught:
+        private = dpmuon.make_private(model or TinyLM(), dataset(), collate, loss_fn, run_dir=tmp_path / "run", **{**SETTINGS, **overrides})
         private.release(next(private.lots()))
     assert releases_in_ledger(tmp_path) == 0
-    assert private.epsilon == 0.0
     message = str(caught.value)
     assert "\n" not in message
     return message
@@ -177,6 +177,32 @@ def test_a_loss_whose_value_depends_on_the_other_examples_is_refused(tmp_path, l
     assert "num_items_in_batch" in message
 
 
+def collate_to_longest(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Padded to the micro-batch's longest example: the width depends on which examples share it."""
+    width = max(len(row) for row in rows)
+    return {k: v[:, :width] for k, v in collate(rows).items()}
+
+
+def per_width_loss(model, batch):  # each example's NLL over the padded width: the longest example sets everyone's scale
+    nll, _ = token_nll(model, batch)
+    return nll.sum(1) / nll.shape[1]
+
+
+def test_a_loss_that_depends_on_the_padded_width_is_refused_when_make_private_is_called(tmp_path):
+    # The row probes keep the columns as collated, so only collating the examples apart shows it.
+    with pytest.raises(UserError) as caught:
+        dpmuon.make_private(TinyLM(), dataset(), collate_to_longest, per_width_loss, run_dir=tmp_path / "run", constant_time=False, **SETTINGS)
+    message = str(caught.value)
+    assert message.startswith("loss_fn per_width_loss couples the examples of a micro-batch: row ") and "collated on their own" in message
+    assert "\n" not in message and not (tmp_path / "run" / LEDGER_FILE).exists()
+
+
+def test_a_per_example_loss_passes_whatever_width_the_examples_are_collated_to(tmp_path):
+    private = dpmuon.make_private(TinyLM(), dataset(), collate_to_longest, own_tokens_loss, run_dir=tmp_path / "run", constant_time=False, **SETTINGS)
+    private.release(next(private.lots()))
+    assert private.epsilon > 0
+
+
 def centred_loss(model, batch):  # same values, but each gradient moves with the others' losses
     losses = own_tokens_loss(model, batch)
     return losses - losses.mean() + losses.mean().detach()
@@ -265,14 +291,33 @@ class Replacer(Counter):  # … or replaces the buffer outright
         return x
 
 
+class Cache(nn.Module):  # … or keeps what it saw as a plain attribute, which later calls read
+    def forward(self, x):
+        last = getattr(self, "last", None)
+        self.last = x.detach().mean()
+        return x if last is None else x + 0 * last
+
+
+class UpdatedCache(Cache):  # … the attribute there before the release, then written in place
+    def __init__(self):
+        super().__init__()
+        self.last = torch.zeros(())
+
+    def forward(self, x):
+        self.last.add_(x.detach().mean())
+        return x
+
+
 @pytest.mark.parametrize(
     "middle, culprit",
     [
         (nn.InstanceNorm1d(LENGTH, track_running_stats=True), "'middle' (InstanceNorm1d) wrote its buffer 'running_mean'"),
         (Counter(), "'middle' (Counter) wrote its buffer 'seen'"),
         (Replacer(), "'middle' (Replacer) wrote its buffer 'seen'"),
+        (Cache(), "'middle' (Cache) added its tensor attribute 'last'"),
+        (UpdatedCache(), "'middle' (UpdatedCache) wrote its tensor attribute 'last'"),
     ],
-    ids=["instance-norm", "in-place", "replaced"],
+    ids=["instance-norm", "in-place", "replaced", "cache-added", "cache-written"],
 )
 def test_a_module_that_writes_a_buffer_in_forward_is_refused_and_the_buffer_restored(tmp_path, middle, culprit):
     model = TinyLM(middle).train()
@@ -281,6 +326,8 @@ def test_a_module_that_writes_a_buffer_in_forward_is_refused_and_the_buffer_rest
     assert message.startswith(f"model module {culprit} during the release's forward")
     for n, b in model.named_buffers():
         assert torch.equal(b, before[n]), n  # no trace of the private examples left in the model
+    last = getattr(model.middle, "last", None)
+    assert last is None or float(last) == 0.0
 
 
 def test_a_buffer_written_on_a_later_release_is_refused_too(tmp_path):

@@ -8,9 +8,13 @@ DPTrainer all release through it).
   neither through the gradient (a module or the loss mixing rows: batch-norm statistics, a mean
   over the micro-batch) nor through the values (a loss divided by the micro-batch's token count,
   Hugging Face's `num_items_in_batch`; a weight by position).
-- `StateGuard` (every release): no buffer and no parameter of the model is written while the
-  release runs — a buffer written from private examples (running statistics, a cache) is
-  published with the model outside the guarantee. Buffers are restored on any refusal.
+- `check_user_code` (make_private, before the mechanism exists): the same on the training set's
+  first examples, and no example's loss depends on the others through the way they are collated
+  (a loss normalized by the padded width).
+- `StateGuard` (every release): no buffer, tensor attribute or parameter of the model is written
+  while the release runs — a buffer written from private examples (running statistics) is
+  published with the model outside the guarantee, and a cache kept across calls shapes later
+  releases. Buffers and attributes are restored on any refusal.
 
 Each refusal is one UserError line naming the loss or the module.
 """
@@ -279,7 +283,16 @@ def _refuse_value_coupling(model: nn.Module, batch: Any, size: int, loss_fn: Los
             _compare(again.detach().double(), expected, whole, rows, size, name, rtol)
 
 
-def _compare(again: torch.Tensor, expected: torch.Tensor, whole: torch.Tensor, rows: list[int], size: int, name: str, rtol: float) -> None:
+def _compare(
+    again: torch.Tensor,
+    expected: torch.Tensor,
+    whole: torch.Tensor,
+    rows: list[int],
+    size: int,
+    name: str,
+    rtol: float,
+    how: str = "same tensors, rows selected",
+) -> None:
     finite = torch.isfinite(whole)
     scale = float(whole[finite].abs().max()) if bool(finite.any()) else 0.0
     same_finiteness = torch.isfinite(again) == torch.isfinite(expected)
@@ -290,55 +303,104 @@ def _compare(again: torch.Tensor, expected: torch.Tensor, whole: torch.Tensor, r
     at = int((~good).nonzero()[0])
     raise UserError(
         f"loss_fn {name} couples the examples of a micro-batch: row {rows[at]}'s loss is {float(expected[at]):.6g} among {size} rows "
-        f"and {float(again[at]):.6g} among {len(rows)} of them (same tensors, rows selected); a loss divided by the micro-batch's token "
-        f"count (Hugging Face's num_items_in_batch) or rows lets one example scale every other's gradient, which clipping does not "
+        f"and {float(again[at]):.6g} among {len(rows)} of them ({how}); a loss divided by the micro-batch's token count (Hugging "
+        f"Face's num_items_in_batch), rows or padded width lets one example scale every other's gradient, which clipping does not "
         f"bound; divide each example by its own count ({PER_EXAMPLE_HINT}) — nothing was charged"
     )
 
 
+def check_user_code(model: nn.Module, loss_fn: LossFn, collated: Callable[[list[int]], Any], count: int) -> None:
+    """make_private's checks, before the mechanism exists, on examples 0..count−1 of the training
+    set (the first of the set, not of a secret lot): `check_first_micro_batch` on them collated
+    together, then each half collated on its own (its own padding width, its own token count),
+    whose losses must come out as they did together. The row probes keep a micro-batch's columns
+    as collated, so they cannot see a loss that depends on the width the others' lengths set (one
+    normalized by the padded length, say), which varies from lot to lot when lots are processed as
+    drawn. State a module writes here is undone (the release's StateGuard refuses it)."""
+    name, half = loss_name(loss_fn), count // 2
+    rtol = RTOL_HALF if any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()) else RTOL_FLOAT32
+    with StateGuard(model).restored():
+        check_first_micro_batch(model, collated(list(range(count))), loss_fn)
+        if count < 2:  # one example a micro-batch: nothing else shares it
+            return
+        with _rng_kept(model), torch.no_grad(), _eval_mode(model):
+            whole = loss_fn(model, collated(list(range(count)))).detach().double()
+            for rows in (list(range(half)), list(range(half, count))):
+                again = loss_fn(model, collated(rows))
+                check_losses(again, len(rows), name)
+                expected = whole[rows[0] : rows[-1] + 1]
+                _compare(again.detach().double(), expected, whole, rows, count, name, rtol, how="collated on their own")
+
+
 class StateGuard:
-    """Snapshot of the model's buffers (values and identity) and parameters (identity and version)
-    taken before a release: `check` refuses any written while it ran; `restore` puts the buffers
-    back (a refused release leaves no trace of its examples in them)."""
+    """Snapshot of the model's state taken before a release — buffers and tensors held as plain
+    module attributes (values and identity; a cache a forward keeps shapes the later releases),
+    parameters (identity and version): `check` refuses any written while it ran; `restore` puts the
+    buffers and attributes back (a refused release leaves no trace of its examples in them)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.buffers = {(name, id(m)): (m, b, b.detach().clone()) for name, m, b in _named_state(model, "_buffers")}
+        self.states = {(kind, name, id(m)): (m, t, t.detach().clone()) for kind, name, m, t in _module_state(model)}
         self.params = {(name, id(m)): (m, p, p._version) for name, m, p in _named_state(model, "_parameters")}
 
     def check(self) -> None:
-        after_buffers = {(name, id(m)): (m, b) for name, m, b in _named_state(self.model, "_buffers")}
-        for key in after_buffers.keys() - self.buffers.keys():
-            self._refuse(key, after_buffers[key][0], "buffer", "added")
-        for key in self.buffers.keys() - after_buffers.keys():
-            self._refuse(key, self.buffers[key][0], "buffer", "removed")
-        for key in self.buffers:
-            module, before, value = self.buffers[key]
-            now = after_buffers[key][1]
+        after = {(kind, name, id(m)): (m, t) for kind, name, m, t in _module_state(self.model)}
+        for key in after.keys() - self.states.keys():
+            self._refuse(key[1], after[key][0], key[0], "added")
+        for key in self.states.keys() - after.keys():
+            self._refuse(key[1], self.states[key][0], key[0], "removed")
+        for key, (module, before, value) in self.states.items():
+            now = after[key][1]
             if now is not before or not _same_bits(now, value):
-                self._refuse(key, module, "buffer", "wrote")
+                self._refuse(key[1], module, key[0], "wrote")
         after_params = {(name, id(m)): (m, p) for name, m, p in _named_state(self.model, "_parameters")}
         for key, (module, before, version) in self.params.items():
             now = after_params.get(key, (None, None))[1]
             if now is not before or now._version != version:
-                self._refuse(key, module, "parameter", "wrote")
+                self._refuse(key[0], module, "parameter", "wrote")
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """The state as it was when the guard was made, after the block, however it ends."""
+        try:
+            yield
+        finally:
+            self.restore()
 
     def restore(self) -> None:
-        for name, module, _ in list(_named_state(self.model, "_buffers")):
-            if (name, id(module)) not in self.buffers:
-                del module._buffers[name]
-        for (name, _), (module, before, value) in self.buffers.items():
+        for kind, name, module, _ in list(_module_state(self.model)):
+            if (kind, name, id(module)) not in self.states:
+                _slot(module, kind).pop(name)
+        for (kind, name, _), (module, before, value) in self.states.items():
             with torch.no_grad():
                 before.copy_(value)
-            module._buffers[name] = before
+            _slot(module, kind)[name] = before
 
-    def _refuse(self, key: tuple[str, int], module: nn.Module, kind: str, what: str) -> None:
+    def _refuse(self, name: str, module: nn.Module, kind: str, what: str) -> None:
         module_name = next((n for n, m in self.model.named_modules() if m is module), type(module).__name__)
         raise UserError(
-            f"model module {module_name or '(the model)'!r} ({type(module).__name__}) {what} its {kind} {key[0]!r} during the release's "
-            "forward: state computed from private examples is published with the model (state_dict) outside the guarantee; keep the "
-            "module from updating state in forward (norm layers: track_running_stats=False or eval mode) — restored, nothing charged"
+            f"model module {module_name or '(the model)'!r} ({type(module).__name__}) {what} its {kind} {name!r} during the release's "
+            "forward: state computed from private examples is published with the model (state_dict) or shapes later releases, "
+            "outside the guarantee; keep the module from updating state in forward (norm layers: track_running_stats=False or "
+            "eval mode; no caches kept across calls) — restored, nothing charged"
         )
+
+
+BUFFER, ATTRIBUTE = "buffer", "tensor attribute"
+
+
+def _slot(module: nn.Module, kind: str) -> dict:
+    return module._buffers if kind == BUFFER else module.__dict__
+
+
+def _module_state(model: nn.Module) -> Iterator[tuple[str, str, nn.Module, torch.Tensor]]:
+    """(kind, local name, owning module, tensor) of every buffer and tensor-valued plain attribute."""
+    for name, module, t in _named_state(model, "_buffers"):
+        yield BUFFER, name, module, t
+    for module in model.modules():
+        for name, t in list(vars(module).items()):
+            if isinstance(t, torch.Tensor):
+                yield ATTRIBUTE, name, module, t
 
 
 def _named_state(model: nn.Module, slot: str) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:
