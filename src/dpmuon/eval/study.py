@@ -36,7 +36,7 @@ published `seed` — has no guarantee either: its ε and every total it enters a
 and it is listed under `runs_without_secret_randomness`. (Ledgers and secret randomness came in
 together: a run with a ledger drew its randomness from OS entropy or a user seed.) So is a run
 whose mechanism seed was published (`published_seed_runs`): its summary's `mechanism_randomness`
-starts with "published seed", or it was user-seeded and a mechanism_seeds.json lies in its
+is privacy.randomness.PUBLISHED_SEED, or it was user-seeded and a mechanism_seeds.json lies in its
 folder or one above it (results/bc_regime/fair/).
 
 Composition assumes the runs' noise was independent. A run seeded by the user
@@ -62,7 +62,7 @@ from ..privacy.accountant import ReleaseSlack
 from ..privacy.composition import ACCOUNTANT, History, RunRecord, composed_epsilon
 from ..privacy.ledger import FORMAT as LEDGER_FORMAT
 from ..privacy.ledger import line_hash, read_chain
-from ..privacy.randomness import USER_SEED
+from ..privacy.randomness import PUBLISHED_SEED, USER_SEED
 from ..run_folder import LEDGER, SUMMARY
 from .runs import RunFormatError, read_json_object, run_dirs_below
 
@@ -76,7 +76,6 @@ LEDGER_FORMATS = (1, LEDGER_FORMAT)  # 1: before the hash chain (its lines are r
 # Published mechanism seeds (results/bc_regime/fair/): a user-seeded run in or below the folder
 # that holds this file drew its lots and noise from a seed anyone can read.
 PUBLISHED_SEEDS = "mechanism_seeds.json"
-PUBLISHED_SEED = "published seed"  # how a summary's mechanism_randomness starts when its seed is published
 
 
 class StudyError(RunFormatError):
@@ -156,7 +155,7 @@ def published_seed(path: Path, summary: dict[str, Any] | None) -> bool:
     """Whether the run's mechanism seed is public: its summary says so, or it was user-seeded and a
     mechanism_seeds.json lies in its folder or a folder above it."""
     randomness = str((summary or {}).get("mechanism_randomness") or "")
-    if randomness.lower().startswith(PUBLISHED_SEED):
+    if randomness == PUBLISHED_SEED:
         return True
     return randomness == USER_SEED and any((folder / PUBLISHED_SEEDS).is_file() for folder in (path.resolve(), *path.resolve().parents))
 
