@@ -274,6 +274,7 @@ FIXED: tuple[Option, ...] = (
     ),  # fmt: skip
     Bool("logging.oracle_alignment", "Muon: log true SNR and F(M)/F_BC(M) alignment with the noise-free buffer (not covered)"),
     Int("logging.epsilon_every", "compute ε spent every N steps (and at the last)", ge=1),
+    Int("logging.per_matrix_every", "log Muon's per-matrix SNR and step-length ratio every N steps and at the last (0: only at the last); medians every step", ge=0),
     Bool("logging.progress", "progress bars"),
     # ---- logger
     Choice("logger.name", ("none", "wandb"), "where metrics go besides the run directory"),

@@ -59,6 +59,7 @@ SETTING = (
     "privacy.target_epsilon=8",
     "privacy.constant_time=false",
     "privacy.published_seed=true",  # SEEDS_FILE publishes them: each summary says its ε is no guarantee
+    "logging.per_matrix_every=25",  # 420 matrices: a per-matrix dict every step would be 4 MB of metrics a run
 )
 TUNING = ("trainer.eval_every=0", "eval.test=false")  # validation at step 100 only; the test set unseen
 FINAL = ("trainer.eval_every=25",)

@@ -554,8 +554,11 @@ def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: flo
     row.update(t.mechanism.release.public_step_fields(with_epsilon))  # (a replayed, uncharged release is marked in the ledger)
     names = {p: n for n, p in t.named.items()}
     diagnose = getattr(t.optimizer, "diagnostics", None)
+    every = int(t.cfg.logging.per_matrix_every)
+    per_matrix = step == t.plan.steps or bool(every and step % every == 0)
     for key, values in (diagnose() if diagnose else {}).items():  # computed from the release: public
-        row[key] = {names[p]: v for p, v in values.items()}
+        if per_matrix:
+            row[key] = {names[p]: v for p, v in values.items()}
         row[f"{key}_median"] = statistics.median(values.values())
     diagnostics = {**diagnostic_fields(stats, t.mechanism.partition, t.private), **oracle_fields, "step_seconds": elapsed} if t.diagnostics else {}
     eval_every = int(t.cfg.trainer.eval_every) if t.validate else 0
