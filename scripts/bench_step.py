@@ -2,8 +2,17 @@
 
 Every configuration runs full steps — the privatizer's release over the lot, split into
 micro-batches, then the optimizer step — for {non-private, opacus, fast} × {flat, per_matrix}
-× {dp_adam, dp_muon, dp_muonbc}. A private configuration is compared with its non-private twin
-(DP-Adam with Adam, DP-Muon and DP-MuonBC with Muon) measured in the same run.
+× {dp_adam, dp_muon, dp_muonbc} × VARIANTS. A private configuration is compared with its
+non-private twin (DP-Adam with Adam, DP-Muon and DP-MuonBC with Muon) measured in the same run,
+on the same lot. The variants say what of the guarantee a private row keeps: `default` is what
+a private run does (constant-time lots: B_max rows in full-width micro-batches; the exact grid
+release), `as-drawn` turns constant-time lots off, `no-noise` also skips the noise (timing
+only), so the step from one column of the last table to the next is what that part costs.
+B_max is the default plan's for PLAN_STEPS steps at ε = 8; B_max/(Nq) is printed beside it.
+
+`--pipeline` times the driver's own loop instead (`python -m dpmuon.train`, training only: the
+summary's train_seconds), private with and without constant-time lots vs the same run with the
+non-private optimizer, for the settings in PIPELINES.
 
 Throughput: all configurations live in one process and take turns, one round per repeat (in a
 rotated order), so a busy neighbour or thermal drift hits them alike; medians are reported
@@ -17,12 +26,14 @@ peak RSS of that process above its footprint before the model was built (labelle
     python scripts/bench_step.py --threads 1 --model llama-tiny --lora-r 8 --engines fast --clip-modes per_matrix  # LoRA adapters only
     python scripts/bench_step.py --threads 2 --model smollm2       # pretrained SmolLM2-135M from models/smollm2
     python scripts/bench_step.py --model gpt2-small --device cuda --lot 256 --micro-batch 32 --seq-len 128
+    DPMUON_DATA_DIR=… python scripts/bench_step.py --pipeline smoke tiny-lot256 --repeats 3 --threads 2
     DPMUON_DATA_DIR=… DPMUON_TOKENIZER=… python scripts/bench_step.py --data e2e --json bench.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -45,7 +56,7 @@ from dpmuon.jsontext import to_json
 from dpmuon.models import IGNORE_INDEX, LoraOptions, Shape, add_lora, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
-from dpmuon.privacy.mechanism import PrivacySettings, build_mechanism
+from dpmuon.privacy.mechanism import PrivacySettings, build_mechanism, lot_limit
 from dpmuon.training.batching import lot_micro_batches
 from dpmuon.training.data import prepare_data
 from dpmuon.training.loop import privacy_settings
@@ -77,6 +88,17 @@ OPTIMIZERS = list(NON_PRIVATE_TWIN)
 # its size does not change the cost. q only enters the plan (N = lot / q) and the accountant.
 NOISE_MULTIPLIER = 1.0
 SAMPLE_RATE = 0.01
+PLAN_STEPS = 1000  # a plan's length sets B_max (the truncation charge grows with it): E2E's 10 epochs at lot 1024 are 410
+
+
+# What a private configuration keeps of the guarantee: the default run's (constant-time lots:
+# B_max rows of one fixed width; the exact grid release), and rows that switch one more part off
+# each, so the cost of each is the step from one column to the next.
+VARIANTS = {
+    "default": "constant-time lots, grid release (what a private run does)",
+    "as-drawn": "lots as drawn (privacy.constant_time=false), grid release",
+    "no-noise": "lots as drawn, no noise drawn or added (timing only: not a release)",
+}
 
 
 @dataclass(frozen=True)
@@ -84,10 +106,15 @@ class Config:
     engine: str  # "non-private" | "opacus" | "fast"
     clip_mode: str  # "flat" | "per_matrix" ("-" for non-private)
     optimizer: str  # dp_adam | dp_muon | dp_muonbc, or the non-private adam | muon
+    variant: str = "-"  # a key of VARIANTS ("-" for non-private)
 
     @property
     def label(self) -> str:
-        return f"{self.engine}/{self.clip_mode}/{self.optimizer}"
+        return f"{self.engine}/{self.clip_mode}/{self.optimizer}/{self.variant}"
+
+    @property
+    def constant_time(self) -> bool:
+        return self.variant == "default"
 
     @property
     def private(self) -> bool:
@@ -116,8 +143,8 @@ class Config:
         ]
 
 
-def configurations(engines: list[str], clip_modes: list[str], optimizers: list[str]) -> list[Config]:
-    private = [Config(e, c, o) for e in engines for c in clip_modes for o in optimizers]
+def configurations(engines: list[str], clip_modes: list[str], optimizers: list[str], variants: list[str]) -> list[Config]:
+    private = [Config(e, c, o, v) for e in engines for c in clip_modes for o in optimizers for v in variants]
     twins = sorted({c.twin for c in private}, key=lambda c: c.optimizer)
     return twins + private
 
@@ -148,6 +175,30 @@ def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[EncodedExample]
     train = prepare_data(cfg.dataset, cfg.data, tokenizer, int(cfg.dataset.max_length), log=lambda message: None).train
     picks = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[:size]
     return [train[i] for i in picks.tolist()], tokenizer.pad_token_id
+
+
+@dataclass
+class Lots:
+    """One lot as each kind of run batches it: as drawn (sorted, each micro-batch padded to its
+    own longest example) and constant-time (B_max rows of full-width micro-batches)."""
+
+    as_drawn: list[dict[str, torch.Tensor]]
+    constant: list[dict[str, torch.Tensor]]
+    max_lot_size: int
+
+    def of(self, config: Config) -> list[dict[str, torch.Tensor]]:
+        return self.constant if config.constant_time else self.as_drawn
+
+    def to(self, device: torch.device) -> Lots:
+        move = lambda batches: [{k: v.to(device) for k, v in b.items()} for b in batches]  # noqa: E731
+        return Lots(move(self.as_drawn), move(self.constant), self.max_lot_size)
+
+
+def batch_lot(examples: list[EncodedExample], pad_id: int, micro_batch: int, width: int) -> Lots:
+    rows = max_lot_size(len(examples))
+    lot = range(len(examples))
+    constant = lot_micro_batches(examples, lot, micro_batch, pad_id, fixed_width=width, fixed_rows=True, pad_to=rows)
+    return Lots(list(lot_micro_batches(examples, lot, micro_batch, pad_id)), list(constant), rows)
 
 
 # -- one configuration ------------------------------------------------------------------------
@@ -183,17 +234,24 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_settings(cfg: DictConfig, lot_size: int) -> PrivacySettings:
+def bench_settings(cfg: DictConfig, lot_size: int, constant_time: bool) -> PrivacySettings:
     """The run's privacy settings for timing only: σ and q fixed (not calibrated to the target ε),
-    one step of lots of `lot_size`, lots as drawn (the bench gives every configuration the same lot)."""
-    return replace(privacy_settings(cfg), expected_lot_size=lot_size, steps=1, constant_time=False)
+    lots of `lot_size` over PLAN_STEPS steps (which set B_max; the bench gives every configuration
+    the same lot)."""
+    return replace(privacy_settings(cfg), expected_lot_size=lot_size, epochs=None, steps=PLAN_STEPS, constant_time=constant_time)
+
+
+def max_lot_size(lot_size: int) -> int:
+    """B_max, the rows of every constant-time step, for lots of `lot_size` (the default plan's)."""
+    cfg = compose_config(*Config("fast", "per_matrix", OPTIMIZERS[0], "default").overrides)
+    return lot_limit(bench_settings(cfg, lot_size, constant_time=True), round(lot_size / SAMPLE_RATE))[0]
 
 
 class Runner:
     """A model, its release (privatizer or non-private) and its optimizer, built as the trainer
     builds them from a composed config, ready to step."""
 
-    def __init__(self, cfg: DictConfig, model_name: str, lot_size: int, device: torch.device, lora_r: int | None = None):
+    def __init__(self, cfg: DictConfig, model_name: str, lot_size: int, device: torch.device, lora_r: int | None = None, variant: str = "default"):
         self.device = device
         self.model = build_bench_model(model_name, lora_r).to(device).train()
         matrices = hidden_matrices(self.model)
@@ -202,7 +260,7 @@ class Runner:
         mechanism = build_mechanism(
             self.model,
             round(lot_size / SAMPLE_RATE),
-            bench_settings(cfg, lot_size),
+            bench_settings(cfg, lot_size, constant_time=variant == "default"),
             hidden_matrices=matrices,
             user_secret=user_mechanism_secret(cfg),
             run_dir=None,
@@ -210,6 +268,9 @@ class Runner:
             log=lambda message: None,
         )
         self.release = mechanism.release
+        if variant == "no-noise":  # std 0: the release skips the draw and the grid (timing only)
+            self.release.block_stds = [0.0] * len(self.release.block_stds)
+            self.release._noise_sizes = []
         self.optimizer = build_optimizer(
             OmegaConf.to_container(cfg.optimizer, resolve=True),
             OptimizerInputs(
@@ -233,15 +294,15 @@ class Runner:
         return released - start, time.perf_counter() - released
 
 
-def measure_throughput(configs: list[Config], args, batches, device) -> tuple[dict[Config, dict[str, list[float]]], dict[Config, Runner]]:
-    runners = {c: Runner(compose_config(*c.overrides), args.model, args.lot, device, args.lora_r) for c in configs}
+def measure_throughput(configs: list[Config], args, lots: Lots, device) -> tuple[dict[Config, dict[str, list[float]]], dict[Config, Runner]]:
+    runners = {c: Runner(compose_config(*c.overrides), args.model, args.lot, device, args.lora_r, c.variant) for c in configs}
     times = {c: {"release_s": [], "optimizer_s": []} for c in configs}
-    for runner in runners.values():
-        runner.step(batches)  # warm-up: optimizer state, allocator, kernel selection
+    for config, runner in runners.items():
+        runner.step(lots.of(config))  # warm-up: optimizer state, allocator, kernel selection
     for repeat in range(args.repeats):
         shift = repeat % len(configs)
         for config in configs[shift:] + configs[:shift]:
-            release_s, optimizer_s = runners[config].step(batches)
+            release_s, optimizer_s = runners[config].step(lots.of(config))
             times[config]["release_s"].append(release_s)
             times[config]["optimizer_s"].append(optimizer_s)
         print(f"  repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
@@ -258,7 +319,7 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def peak_memory_mib(config: Config, args, batches, device) -> float:
+def peak_memory_mib(config: Config, args, lots: Lots, device) -> float:
     """Peak memory of building the configuration and running two steps (the first also
     allocates the optimizer state), in this process."""
     cfg = compose_config(*config.overrides)  # before the baseline: composing is not the step's memory
@@ -271,9 +332,9 @@ def peak_memory_mib(config: Config, args, batches, device) -> float:
             Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
         except OSError:
             pass  # without the reset, VmHWM includes the imports' transient peak: an overestimate
-    runner = Runner(cfg, args.model, args.lot, device, args.lora_r)
+    runner = Runner(cfg, args.model, args.lot, device, args.lora_r, config.variant)
     for _ in range(2):
-        runner.step(batches)
+        runner.step(lots.of(config))
     if cuda:
         return torch.cuda.max_memory_allocated(device) / 2**20
     return (_rss_kib("VmHWM") - baseline) / 1024
@@ -380,6 +441,80 @@ def print_table(rows: list[dict[str, Any]], memory_label: str) -> None:
         )
 
 
+def print_guarantee_costs(rows: list[dict[str, Any]], max_lot_size: int, lot: int) -> None:
+    """× non-private of each private configuration with each part of the guarantee kept: the
+    step from one column to the next is what that part costs."""
+    by_config: dict[str, dict[str, float]] = {}
+    for row in rows:
+        if row["variant"] in VARIANTS:
+            by_config.setdefault(f"{row['engine']}/{row['clip_mode']}/{row['optimizer']}", {})[row["variant"]] = row["throughput_vs_non_private"]
+    variants = [v for v in VARIANTS if any(v in r for r in by_config.values())]
+    print(f"× non-private by what of the guarantee is kept (B_max/(Nq) = {max_lot_size}/{lot} = {max_lot_size / lot:.3f}):")
+    print(f"{'configuration':28} " + " ".join(f"{v:>10}" for v in variants))
+    for config, ratios in by_config.items():
+        print(f"{config:28} " + " ".join(f"{ratios[v]:10.3f}" if v in ratios else f"{'-':>10}" for v in variants))
+
+
+# -- the driver's own loop (--pipeline) ---------------------------------------------------------
+
+# name → the driver's overrides of a pipeline setting: the smoke run, and the tiny model at lot 256.
+PIPELINES = {
+    "smoke": ("experiment=smoke",),
+    "tiny-lot256": ("model=tiny", "privacy.expected_lot_size=256", "trainer.steps=3", "trainer.micro_batch_size=32", "trainer.checkpoint_every=3"),
+}
+# Training only: no validation, test NLL or decoding; diagnostics published so that the summary
+# records train_seconds (the loop's own clock, without start-up and data loading).
+TRAINING_ONLY = ("eval.test=false", "eval.validation=false", "trainer.eval_every=0", "logging.progress=false", "logging.nonprivate_diagnostics=publish")
+PIPELINE_RUNS = {  # name → overrides; each private run beside its non-private twin
+    "adam": ("optimizer=adam",),
+    "dp_adam": ("optimizer=dp_adam",),
+    "dp_adam/as-drawn": ("optimizer=dp_adam", "privacy.constant_time=false"),
+    "muon": ("optimizer=muon",),
+    "dp_muon": ("optimizer=dp_muon",),
+    "dp_muon/as-drawn": ("optimizer=dp_muon", "privacy.constant_time=false"),
+}
+
+
+def train_seconds(setting: str, run: str, threads: int, work: Path) -> tuple[float, int | None]:
+    """The run's train_seconds and its B_max (None: lots as drawn)."""
+    run_dir = work / f"{setting}-{run.replace('/', '-')}-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "dpmuon.train", *PIPELINES[setting], *PIPELINE_RUNS[run], *TRAINING_ONLY]
+    command += [f"trainer.num_threads={threads}", f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return float(summary["train_seconds"]), summary.get("max_lot_size")
+
+
+def pipeline(args) -> dict[str, Any]:
+    """Median train_seconds of each run of each setting, rounds rotated; private ÷ non-private."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for setting in args.pipeline:
+            runs = list(PIPELINE_RUNS)
+            seconds: dict[str, list[float]] = {run: [] for run in runs}
+            rows: dict[str, int | None] = {}
+            for repeat in range(args.repeats):
+                shift = repeat % len(runs)
+                for run in runs[shift:] + runs[:shift]:
+                    took, rows[run] = train_seconds(setting, run, args.threads, Path(tmp))
+                    seconds[run].append(took)
+                print(f"  {setting}: repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+            medians = {run: statistics.median(t) for run, t in seconds.items()}
+            twin = {run: "adam" if "adam" in run else "muon" for run in runs}
+            ratio = {run: medians[twin[run]] / medians[run] for run in runs}
+            out[setting] = {
+                run: {"train_seconds": medians[run], "all": seconds[run], "max_lot_size": rows[run], "throughput_vs_non_private": ratio[run]} for run in runs
+            }
+            lot = int(compose_config(*PIPELINES[setting]).privacy.expected_lot_size)
+            print(f"{setting}: training seconds (median of {args.repeats}), × non-private (expected lot {lot})")
+            for run in runs:
+                bound = f"  B_max/(Nq) = {rows[run]}/{lot} = {rows[run] / lot:.3f}" if rows[run] else ""
+                print(f"  {run:18} {medians[run]:8.2f} s  {out[setting][run]['throughput_vs_non_private']:.3f}{bound}")
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=MODELS, default="tiny")
@@ -393,12 +528,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", nargs="+", default=["opacus", "fast"])
     parser.add_argument("--clip-modes", nargs="+", default=["flat", "per_matrix"])
     parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=OPTIMIZERS)
+    variants_help = "what of the guarantee each private row keeps: " + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items())
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help=variants_help)
     parser.add_argument("--memory", choices=["subprocess", "none"], default="subprocess")
     parser.add_argument("--memory-jobs", type=int, default=2, help="memory probes run at once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-r", type=int, help="train rank-r LoRA adapters on every projection of the frozen model (default: full fine-tuning)")
     parser.add_argument("--json", type=Path, help="also write the rows and settings here")
     parser.add_argument("--phases", action="store_true", help="also profile one step per private configuration: time per phase")
+    parser.add_argument("--pipeline", nargs="+", choices=list(PIPELINES), help="instead: time `python -m dpmuon.train` (training only), private vs non-private")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one configuration's peak
     parser.add_argument("--lot-file", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -409,33 +547,43 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if args.memory_probe:
-        print(peak_memory_mib(Config.parse(args.memory_probe), args, torch.load(args.lot_file), device))
+        print(peak_memory_mib(Config.parse(args.memory_probe), args, torch.load(args.lot_file, weights_only=False), device))
+        return
+    if args.pipeline:
+        found = pipeline(args)
+        if args.json:
+            meta = {"settings": {k: v for k, v in vars(args).items() if k in ("pipeline", "repeats", "threads")}, "torch": torch.__version__}
+            meta |= {"git_commit": code_version(), "command": " ".join(["python", "scripts/bench_step.py", *sys.argv[1:]])}
+            args.json.write_text(to_json({**meta, "pipelines": found, "runs": {k: list(v) for k, v in PIPELINE_RUNS.items()}}, indent=2))
         return
     if args.data == "e2e":
         examples, pad_id = e2e_lot(args.lot, args.seed, args.model)
     else:
         vocab = vocab_size(args.model)
         examples, pad_id = synthetic_lot(args.lot, args.seq_len, args.seed, vocab), vocab - 1
-    # The lot as the trainer batches it: sorted by length, each micro-batch right-padded to its own longest sequence.
-    batches = list(lot_micro_batches(examples, range(len(examples)), args.micro_batch, pad_id))
-    configs = configurations(args.engines, args.clip_modes, args.optimizers)
-    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    # The lot as the trainer batches it: sorted by length; as drawn, each micro-batch right-padded
+    # to its own longest sequence; constant-time, B_max rows at the run's fixed width.
+    width = args.seq_len if args.data == "synthetic" else int(compose_config().dataset.max_length)
+    lots = batch_lot(examples, pad_id, args.micro_batch, width)
+    configs = configurations(args.engines, args.clip_modes, args.optimizers, args.variants)
+    tokens = sum(int(b["attention_mask"].sum()) for b in lots.as_drawn)
     print(
         f"model {args.model}{f' + LoRA r={args.lora_r}' if args.lora_r else ''}, {args.data} lot {args.lot} in micro-batches of {args.micro_batch} "
-        f"({tokens / args.lot:.1f} tokens/example), device {device}, {torch.get_num_threads()} threads, "
+        f"({tokens / args.lot:.1f} tokens/example; constant-time: {lots.max_lot_size} rows × {width} tokens, "
+        f"B_max/(Nq) = {lots.max_lot_size / args.lot:.3f}), device {device}, {torch.get_num_threads()} threads, "
         f"{args.repeats} repeats, {len(configs)} configurations",
         file=sys.stderr,
         flush=True,
     )
-    batches = [{k: v.to(device) for k, v in b.items()} for b in batches]
-    times, runners = measure_throughput(configs, args, batches, device)
-    phases = {c: phase_seconds(runners[c], batches) for c in configs if c.private} if args.phases else {}
+    lots = lots.to(device)
+    times, runners = measure_throughput(configs, args, lots, device)
+    phases = {c: phase_seconds(runners[c], lots.of(c)) for c in configs if c.private} if args.phases else {}
     del runners
     peaks: dict[Config, float] = {}
     if args.memory == "subprocess":
         with tempfile.TemporaryDirectory() as tmp:
             lot_path = Path(tmp) / "lot.pt"
-            torch.save([{k: v.to(device) for k, v in b.items()} for b in batches], lot_path)
+            torch.save(lots, lot_path)
             # Probes run side by side (each in its own process, so their peaks stay apart).
             with ThreadPoolExecutor(max_workers=args.memory_jobs) as pool:
                 found = pool.map(lambda config: peak_memory_in_subprocess(config, args, lot_path), configs)
@@ -443,6 +591,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(configs, times, peaks, args.lot)
     memory_label = "peak MiB" if device.type == "cuda" else "peak RSS MiB"
     print_table(rows, memory_label)
+    print()
+    print_guarantee_costs(rows, lots.max_lot_size, args.lot)
     if phases:
         print()
         print_phases(phases)
@@ -456,6 +606,7 @@ def main(argv: list[str] | None = None) -> None:
             "git_commit": code_version(),
             "command": " ".join(["python", "scripts/bench_step.py", *sys.argv[1:]]),
         }
+        meta["max_lot_size"] = lots.max_lot_size
         args.json.write_text(to_json({**meta, "rows": rows, "phases": {c.label: p for c, p in phases.items()}}, indent=2))
 
 

@@ -12,7 +12,9 @@
 #                   random-init model, bf16, expected lot 256), then test NLL and beam decoding
 #                   of 64 test sources; tables of the four runs
 #   5. bench        scripts/bench_step.py --model gpt2-small --device cuda, lot 256, micro-batches
-#                   of 32 (non-private, Opacus and fast engine; DP-Adam and DP-MuonBC)
+#                   of 32 (non-private and the fast engine; DP-Adam and DP-MuonBC, each with
+#                   constant-time lots, lots as drawn, and no noise: what each part costs, the
+#                   noise drawn ahead on the host) and --phases (the release's noise per step)
 #
 # Everything lands in OUT_DIR: environment.json, status.tsv (stage, exit code, seconds),
 # gpu_check.log, pytest_gpu.{log,xml}, smoke/ (the runs), smoke.{md,json}, tables/e2e/…,
@@ -209,7 +211,7 @@ EOF
 bench() {
     local mb rc=0
     for mb in "${MICRO_BATCHES[@]}"; do
-        "$PYTHON" scripts/bench_step.py "${BENCH[@]}" --micro-batch "$mb" --engines fast opacus --clip-modes per_matrix \
+        "$PYTHON" scripts/bench_step.py "${BENCH[@]}" --micro-batch "$mb" --engines fast --clip-modes per_matrix --phases \
             --json "$OUT/bench_mb$mb.json" 2>&1 | tee "$OUT/bench_mb$mb.txt" || rc=1
     done
     return "$rc"

@@ -53,3 +53,14 @@ def test_committed_fair_comparison_regenerates_exactly_from_committed_runs(tmp_p
 
     write_report(FAIR, tmp_path)
     assert (tmp_path / "fair.md").read_text() == (FAIR / "fair.md").read_text(), f"{FAIR / 'fair.md'} differs from a fresh report"
+
+
+SMOLLM2_FAIR = RESULTS / "smollm2_fair"
+
+
+@pytest.mark.skipif(not (SMOLLM2_FAIR / "fair.md").exists(), reason="no committed results/smollm2_fair/ report yet")
+def test_committed_smollm2_study_report_regenerates_exactly_from_committed_runs(tmp_path: Path):
+    from dpmuon.experiments.smollm2_fair_report import write_report
+
+    write_report(SMOLLM2_FAIR, tmp_path)
+    assert (tmp_path / "fair.md").read_text() == (SMOLLM2_FAIR / "fair.md").read_text(), f"{SMOLLM2_FAIR / 'fair.md'} differs from a fresh report"

@@ -66,5 +66,6 @@ def test_cpu_dry_run_runs_every_stage_and_writes_every_result(tmp_path):
         bench = json.loads((out / f"bench_mb{micro_batch}.json").read_text())
         assert bench["settings"]["micro_batch"] == micro_batch and bench["settings"]["device"] == "cpu"
         labels = {row["config"] for row in bench["rows"]}
-        assert {"fast/per_matrix/dp_muonbc", "opacus/per_matrix/dp_muonbc"} <= labels
+        assert {f"fast/per_matrix/dp_muonbc/{variant}" for variant in ("default", "as-drawn", "no-noise")} <= labels
+        assert set(bench["phases"]) == {label for label in labels if not label.startswith("non-private")}
         assert all(row["examples_per_s"] > 0 and row["peak_mib"] > 0 for row in bench["rows"])

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_gpt2
+from conftest import tiny_gpt2, token_batch
 
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, block_noise_stds, build_partition
@@ -94,3 +94,66 @@ def test_secure_noise_is_standard_normal_and_not_replayable():
     # Fourth moment of a Gaussian is 3: catches uniform or otherwise non-normal draws.
     assert float(a.pow(4).mean()) == pytest.approx(3.0, abs=0.1)
     assert not torch.equal(a, b)
+
+
+# -- the next release's noise drawn ahead (GaussianNoise(ahead=True), used on accelerators) --------
+
+AHEAD_SIZES = (70_000, 5, 140_001)  # one draw over two chunks, a small one, one over three
+
+
+def releases(noise: GaussianNoise, steps: int, sizes=AHEAD_SIZES) -> list[torch.Tensor]:
+    """`steps` releases of one draw per size, as the privatizer makes them (draw_ahead after each)."""
+    out = []
+    for step in range(steps):
+        for i, n in enumerate(sizes):
+            total = torch.linspace(-3.0, 3.0, n, dtype=torch.float64) * (step + i + 1)
+            out.append(noise.grid_release(total, std=0.37))
+        noise.draw_ahead(sizes)
+    noise.close()
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_noise_drawn_ahead_is_the_draw_made_in_turn_bit_for_bit(threads):
+    in_turn = releases(GaussianNoise(SecretStream(7), threads=threads), steps=3)
+    ahead = GaussianNoise(SecretStream(7), threads=threads, ahead=True)
+    assert all(torch.equal(a, b) for a, b in zip(in_turn, releases(ahead, steps=3), strict=True))
+    assert ahead.stream.draws == 3 * len(AHEAD_SIZES)  # each draw made once, in its place
+
+
+def test_noise_drawn_ahead_is_not_used_after_a_reseed_a_restore_or_for_another_size():
+    noise = GaussianNoise(SecretStream(7), threads=1, ahead=True)
+    reference = GaussianNoise(SecretStream(7), threads=1)
+    releases(noise, steps=1)  # the next release's draws are made ahead (then closed: made again below)
+    noise.draw_ahead(AHEAD_SIZES)
+    reference.stream.draws = noise.stream.draws
+    # Another size at the same position: drawn in turn, as the reference draws it.
+    total = torch.ones(11, dtype=torch.float64)
+    assert torch.equal(noise.grid_release(total.clone(), 0.37), reference.grid_release(total.clone(), 0.37))
+    # A reseed between drawing ahead and using the draws: the new key's draws, never the old key's.
+    noise.draw_ahead(AHEAD_SIZES)
+    noise.stream.key = reference.stream.key = 12345
+    total = torch.zeros(AHEAD_SIZES[0], dtype=torch.float64)
+    assert torch.equal(noise.grid_release(total.clone(), 0.37), reference.grid_release(total.clone(), 0.37))
+    # A restored (earlier) position: the draw of that position, not the one made ahead for later.
+    noise.draw_ahead(AHEAD_SIZES)
+    noise.stream.load_state_dict({"key": f"{12345:032x}", "draws": 0})
+    reference.stream.load_state_dict({"key": f"{12345:032x}", "draws": 0})
+    assert torch.equal(noise.grid_release(total.clone(), 0.37), reference.grid_release(total.clone(), 0.37))
+    noise.close()
+
+
+def test_a_privatizer_whose_noise_is_drawn_ahead_releases_what_one_drawing_in_turn_releases():
+    grads = []
+    for ahead in (False, True):
+        pz = make_privatizer("uniform")
+        pz.noise = GaussianNoise(SecretStream(3), ahead=ahead)
+        batch = token_batch(4)
+        steps = []
+        for _ in range(3):
+            pz.release([batch], per_example_lm_loss)
+            steps.append({n: p.grad.clone() for n, p in pz.params.items()})
+        assert (pz.noise._next is not None) == ahead  # the next release's draws are under way
+        pz.close()
+        grads.append(steps)
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(*grads, strict=True) for n in a)

@@ -90,12 +90,15 @@ def test_calibrated_run_spends_its_budget_and_no_more(tmp_path):
 
 def test_disabling_nonprivate_diagnostics_leaves_only_released_quantities(tmp_path):
     require_real_data()
-    cfg = compose_config("experiment=smoke", "optimizer=dp_muon", "logging.nonprivate_diagnostics=false", *TINY)
+    cfg = compose_config("experiment=smoke", "optimizer=dp_muon", "logging.nonprivate_diagnostics=false", "logging.per_matrix_every=3", *TINY)
     run(cfg, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     allowed = {"step", "epsilon", "lr", "noise_std", "noise_std_min", "noise_std_max", "snr", "snr_median", "val_nll"}
     assert all(set(r) <= allowed for r in rows), [set(r) - allowed for r in rows]
     assert not (tmp_path / "diagnostics.jsonl").exists()
+    # Per-matrix values every 3rd step and at the last; their median every step.
+    assert [r["step"] for r in rows if "snr" in r] == [3, 4]
+    assert [r["step"] for r in rows if "snr_median" in r] == [1, 2, 3, 4]
 
 
 def test_non_private_reference_records_no_epsilon(tmp_path):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,12 +40,23 @@ class GaussianNoise:
     """Source of N(0, 1) draws in float64: a secret stream (privacy/randomness.py; by default a
     fresh one keyed from OS entropy), or the OS CSPRNG in secure mode. One call is one draw of the
     stream: CHUNK-sized pieces from their own generators, filled by parallel threads (numpy and
-    torch release the GIL), so the result does not depend on the number of threads."""
+    torch release the GIL), so the result does not depend on the number of threads.
 
-    def __init__(self, stream: SecretStream | None = None, secure: bool = False, threads: int | None = None):
+    With `ahead`, `draw_ahead` makes the next release's draws in a background thread while the
+    caller computes the lot's gradients: the noise depends on no data, only on the key and the
+    draw's index, so a draw made early is the same draw bit for bit. A draw is used only if the
+    stream asks for exactly it (same key, index and size); anything else (a reseed, a restored
+    position, another size) discards what was drawn ahead and draws in turn."""
+
+    def __init__(self, stream: SecretStream | None = None, secure: bool = False, threads: int | None = None, ahead: bool = False, pin_memory: bool = False):
         self.secure = secure
         self.stream = stream if stream is not None else SecretStream(secrets.randbits(KEY_BITS))
         self.threads = threads or torch.get_num_threads()
+        self.ahead = ahead and not secure  # the OS CSPRNG has no position to draw ahead of
+        self.pin_memory = pin_memory  # page-locked buffers: the copy to an accelerator does not stage
+        self._next: _Ahead | None = None
+        self._buffers: list[torch.Tensor] = []  # reused from release to release: no page faults per step
+        self._filler: ThreadPoolExecutor | None = None
 
     def standard_normal(self, n: int) -> np.ndarray:
         out = np.empty(n, dtype=np.float64)
@@ -54,8 +66,18 @@ class GaussianNoise:
     def grid_release(self, total: torch.Tensor, std: float) -> torch.Tensor:
         """`release_on_grid(total, std, z)` with this source's next draw z, in place in `total`.
 
-        On the CPU each chunk is noised where it is drawn, while it is in cache; on an accelerator
-        the draw crosses over once and the grid arithmetic runs there."""
+        On the CPU each chunk is noised where it is drawn (or read, if drawn ahead), while it is
+        in cache; on an accelerator the draw crosses over once and the grid arithmetic runs there."""
+        z = self._drawn_ahead(total.numel())
+        if z is not None:
+            self.stream.draws += 1  # the draw made ahead is this one: consume its place
+            if total.device.type != "cpu":
+                # A blocking copy: the buffer is refilled with later draws as soon as the release
+                # ends, and a copy still in flight would then carry pieces of them.
+                return release_on_grid(total, std, z.view(total.shape).to(total.device))
+            flat = total.view(-1)
+            self._each_chunk(_chunk_count(flat.numel()), lambda c: release_on_grid(flat[c * CHUNK : (c + 1) * CHUNK], std, z[c * CHUNK : (c + 1) * CHUNK]))
+            return total
         if total.device.type != "cpu":
             z = torch.from_numpy(self.standard_normal(total.numel())).view(total.shape)
             return release_on_grid(total, std, z)
@@ -63,9 +85,60 @@ class GaussianNoise:
         self._chunks(total.numel(), lambda piece, z: release_on_grid(piece, std, torch.from_numpy(z)), flat)
         return total
 
+    def draw_ahead(self, sizes: Sequence[int]) -> None:
+        """Start making the stream's next len(sizes) draws, of these sizes, in the background (a
+        no-op unless `ahead`). They are kept until the stream asks for them."""
+        if not self.ahead:
+            return
+        self._discard()
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="dpmuon-noise")
+        while len(self._buffers) < len(sizes):
+            self._buffers.append(torch.empty(0, dtype=torch.float64))
+        for i, n in enumerate(sizes):
+            if self._buffers[i].numel() != n:
+                self._buffers[i] = torch.empty(n, dtype=torch.float64, pin_memory=self.pin_memory)
+        snapshot = SecretStream(self.stream.key)  # a reseed of self.stream must not reach these draws
+        first = self.stream.draws
+
+        def fill(i: int) -> None:
+            out = self._buffers[i].numpy()
+            sources = snapshot.normal_sources_at(first + i, _chunk_count(sizes[i]))
+            self._each_chunk(len(sources), lambda c: _store(out[c * CHUNK : (c + 1) * CHUNK], sources[c](len(out[c * CHUNK : (c + 1) * CHUNK]))))
+
+        # One task per draw, in the order the release consumes them: the first waits only for itself.
+        self._next = _Ahead(self.stream.key, first, tuple(sizes), [self._filler.submit(fill, i) for i in range(len(sizes))])
+
+    def close(self) -> None:
+        self._discard()
+        if self._filler is not None:
+            self._filler.shutdown()
+            self._filler = None
+
+    def _drawn_ahead(self, n: int) -> torch.Tensor | None:
+        """The stream's next draw if it was drawn ahead with size n, else None (and the rest discarded)."""
+        ahead = self._next
+        if ahead is None:
+            return None
+        i = self.stream.draws - ahead.first
+        if ahead.key != self.stream.key or not 0 <= i < len(ahead.sizes) or ahead.sizes[i] != n:
+            self._discard()
+            return None
+        ahead.filled[i].result()  # waits for that draw (and raises its error)
+        return self._buffers[i]
+
+    def _discard(self) -> None:
+        """Drop what was drawn ahead; a fill in progress finishes first (it writes a reused buffer)."""
+        ahead, self._next = self._next, None
+        if ahead is None:
+            return
+        for future in ahead.filled:
+            future.cancel()
+        wait(ahead.filled)
+
     def _chunks(self, n: int, consume: Callable, target) -> None:
         """consume(target[chunk], z_chunk) for every chunk of one draw of n normals."""
-        count = max(1, -(-n // CHUNK))
+        count = _chunk_count(n)
         sources = None if self.secure else self.stream.normal_sources(count)
 
         def one(chunk: int) -> None:
@@ -73,12 +146,29 @@ class GaussianNoise:
             z = secure_standard_normal(len(piece)) if sources is None else sources[chunk](len(piece))
             consume(piece, z)
 
+        self._each_chunk(count, one)
+
+    def _each_chunk(self, count: int, one: Callable[[int], None]) -> None:
         if count == 1 or self.threads == 1:
             for chunk in range(count):
                 one(chunk)
         else:
             with ThreadPoolExecutor(min(self.threads, count)) as pool:
                 list(pool.map(one, range(count)))
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """Draws made ahead: the stream's key, the index of the first, their sizes, one future each."""
+
+    key: int
+    first: int
+    sizes: tuple[int, ...]
+    filled: list[Future]
+
+
+def _chunk_count(n: int) -> int:
+    return max(1, -(-n // CHUNK))
 
 
 def _store(piece: np.ndarray, z: np.ndarray) -> None:

@@ -111,6 +111,9 @@ class Privatizer:
         self.engine_note = self._engine.fallback_summary  # the run log's line on fallback modules (None: none)
         self.params = self._engine.params
         self.block_stds = block_noise_stds(self.partition, self.noise_multiplier, self.noise_allocation)
+        block_of = self.partition.block_index()
+        # The sizes of one release's draws, in the order `_noised` makes them.
+        self._noise_sizes = [p.numel() for name, p in self.params.items() if self.block_stds[block_of[name]] > 0]
         # Whether a re-run step may draw the noise of its earlier release again: true for seeded
         # noise restored from saved state, false in secure mode and after a fresh reseed.
         self.noise_may_repeat = not self.noise.secure
@@ -173,6 +176,8 @@ class Privatizer:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
         for name, p in self.params.items():
             p.grad = released[name]
+        # The next release's noise depends on no data: it is drawn while the next lot is computed.
+        self.noise.draw_ahead(self._noise_sizes)
         return stats
 
     def _clipped_total(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], ReleaseStats]:
@@ -235,6 +240,7 @@ class Privatizer:
 
     def close(self) -> None:
         self._engine.close()
+        self.noise.close()
 
 
 def _all_finite(t: torch.Tensor) -> bool:

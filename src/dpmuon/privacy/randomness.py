@@ -57,6 +57,11 @@ class SecretStream:
         """The next draw as N(0, 1) sources, one per chunk: the ziggurat on counter (0, chunk, k, 0),
         its draws beyond ±TAIL_REDRAW redrawn from the words of (0, chunk, k, 1)."""
         draw, self.draws = self.draws, self.draws + 1
+        return self.normal_sources_at(draw, chunks)
+
+    def normal_sources_at(self, draw: int, chunks: int = 1) -> list[Callable[[int], np.ndarray]]:
+        """Draw `draw` of the stream (made or not) as N(0, 1) sources; the position does not move.
+        A draw is a function of the key and its index alone, so it may be made ahead of its turn."""
 
         def source(chunk: int) -> Callable[[int], np.ndarray]:
             def normals(n: int) -> np.ndarray:
