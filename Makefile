@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-slow docs data smoke bench-bias bench-step audit audit-table audit-full audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu results-smollm2
+.PHONY: help setup lint test test-slow docs data smoke bench-bias bench-step audit audit-table audit-full audit-quick reproduce-e2e reproduce-dart reproduce-e2e-cpu reproduce-dart-cpu results-cpu results-smollm2 results-smollm2-fair
 
 help: ## List every target with one line each
 	@grep -hE '^[a-zA-Z0-9_/-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  %-22s %s\n", $$1, $$2}'
@@ -85,6 +85,10 @@ results-cpu: models/public-for-e2e models/public-for-dart ## The committed CPU-s
 results-smollm2: models/smollm2 ## SmolLM2-135M + LoRA on E2E at ε = 8, DP-Adam and DP-Muon (~1 h each on one CPU thread) → results/smollm2_lora
 	$(PYTHON) -m dpmuon.experiments.smollm2_lora run --jobs 2
 	$(PYTHON) -m dpmuon.experiments.smollm2_lora report
+
+results-smollm2-fair: models/smollm2 ## The pre-registered SmolLM2 + LoRA study, DP-Adam vs DP-Muon vs DP-MuonBC (resumable; ~1.2 h a run on one CPU thread) → results/smollm2_fair
+	$(PYTHON) -m dpmuon.experiments.smollm2_fair run
+	$(PYTHON) -m dpmuon.experiments.smollm2_fair_report
 
 bench-step: ## Step throughput and peak memory: non-private vs Opacus vs fast engine (tiny model on CPU)
 	$(PYTHON) scripts/bench_step.py --threads 1

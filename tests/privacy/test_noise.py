@@ -140,6 +140,14 @@ def test_noise_drawn_ahead_is_not_used_after_a_reseed_a_restore_or_for_another_s
     noise.stream.load_state_dict({"key": f"{12345:032x}", "draws": 0})
     reference.stream.load_state_dict({"key": f"{12345:032x}", "draws": 0})
     assert torch.equal(noise.grid_release(total.clone(), 0.37), reference.grid_release(total.clone(), 0.37))
+    # A position restored to a draw made ahead and already used (consumed in place): drawn again in turn.
+    noise.draw_ahead(AHEAD_SIZES)
+    position = {"key": f"{12345:032x}", "draws": noise.stream.draws}
+    first = noise.grid_release(total.clone(), 0.37)
+    noise.stream.load_state_dict(position)
+    reference.stream.load_state_dict(position)
+    expected = reference.grid_release(total.clone(), 0.37)
+    assert torch.equal(first, expected) and torch.equal(noise.grid_release(total.clone(), 0.37), expected)
     noise.close()
 
 

@@ -15,12 +15,6 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import math
-import os
-import types
-import typing
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,165 +24,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..errors import ConfigError, UserError, one_line, shown_value  # noqa: F401  (ConfigError, one_line: re-exported)
 from ..paths import CONFIG_DIR
+from ..settings import Option, declared_options, looks_local  # noqa: F401  (looks_local: re-exported)
 
 ABSENT = object()
-
-
-@dataclass(frozen=True)
-class Option:
-    """One option: `kind` is float | int | bool | choice | path | model_source | text | list | mapping | betas | any."""
-
-    key: str
-    kind: str
-    help: str
-    nullable: bool = False
-    choices: tuple = ()
-    gt: float | None = None  # bounds: value > gt, >= ge, < lt
-    ge: float | None = None
-    lt: float | None = None
-
-    @property
-    def group(self) -> str:
-        return self.key.split(".")[0] if "." in self.key else ""
-
-    def valid(self) -> str:
-        """What the option accepts, as printed after `valid:`."""
-        if self.kind == "bool":
-            text = "true or false"
-        elif self.kind == "choice":
-            text = " | ".join(shown_value(choice) for choice in self.choices)
-        elif self.kind in ("float", "int"):
-            bounds = [f"{op} {_number(b)}" for op, b in ((">", self.gt), (">=", self.ge), ("<", self.lt)) if b is not None]
-            text = ("an integer" if self.kind == "int" else "a number") + (" " + " and ".join(bounds) if bounds else "")
-        elif self.kind == "path":
-            text = "an existing directory"
-        elif self.kind == "model_source":
-            text = "a local directory or a Hugging Face hub id (e.g. gpt2)"
-        elif self.kind == "list":
-            text = "a list, e.g. [a, b]"
-        elif self.kind == "betas":
-            text = "[β1, β2] with 0 <= β < 1"
-        elif self.kind == "mapping":
-            text = "a mapping, e.g. {dp_adam: 1e-3}"
-        elif self.kind == "ns_coefficients":
-            text = "quintic | series:K (K >= 1) | [c0, c1, ...]"
-        elif self.kind == "any":
-            text = "see the help"
-        else:
-            text = "a string"
-        return f"null or {text}" if self.nullable else text
-
-    def check(self, value: Any) -> None:
-        """Raise ConfigError unless `value` is allowed."""
-        if value is None:
-            if not self.nullable:
-                raise ConfigError(self.key, value, "must be set", self.valid())
-            return
-        problem = CHECKS[self.kind](self, value)
-        if problem:
-            raise ConfigError(self.key, value, problem, self.valid())
-
-
-def _number(value: float) -> str:
-    return f"{value:g}"
-
-
-def _check_number(option: Option, value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "not an integer" if option.kind == "int" else "not a number"
-    if option.kind == "int" and not isinstance(value, int):
-        return "not an integer"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "not a finite number"
-    for bound, fails, word in (
-        (option.gt, lambda b: value <= b, ">"),
-        (option.ge, lambda b: value < b, ">="),
-        (option.lt, lambda b: value >= b, "<"),
-    ):
-        if bound is not None and fails(bound):
-            return f"must be {word} {_number(bound)}"
-    return None
-
-
-def _check_bool(option: Option, value: Any) -> str | None:
-    return None if isinstance(value, bool) else "not true or false"
-
-
-def _check_choice(option: Option, value: Any) -> str | None:
-    # Typed comparison: True == 1 in Python, but `true` is no valid `1`.
-    allowed = any(type(value) is type(choice) and value == choice for choice in option.choices)
-    return None if allowed else "not one of the choices"
-
-
-def _check_path(option: Option, value: Any) -> str | None:
-    if not isinstance(value, str):
-        return "not a path"
-    path = Path(value).expanduser()
-    if not path.exists():
-        return f"directory not found: {path}"
-    return None if path.is_dir() else f"not a directory: {path}"
-
-
-def looks_local(value: str) -> bool:
-    """A path rather than a hub id (hub ids are `name` or `org/name`)."""
-    return value.startswith(("/", ".", "~")) or value.count("/") > 1 or os.sep != "/" and os.sep in value
-
-
-def _check_model_source(option: Option, value: Any) -> str | None:
-    if not isinstance(value, str) or not value:
-        return "not a directory or hub id"
-    path = Path(value).expanduser()
-    if path.exists():
-        return None if path.is_dir() else f"not a directory: {path}"
-    if looks_local(value):
-        return f"local directory not found: {path}"
-    return None  # a hub id: whether the hub has it is known only when it is loaded
-
-
-def _check_text(option: Option, value: Any) -> str | None:
-    return None if isinstance(value, str) else "not a string"
-
-
-def _check_list(option: Option, value: Any) -> str | None:
-    return None if isinstance(value, (list, tuple)) else "not a list"
-
-
-def _check_mapping(option: Option, value: Any) -> str | None:
-    return None if isinstance(value, dict) else "not a mapping"
-
-
-def _check_betas(option: Option, value: Any) -> str | None:
-    numbers = isinstance(value, (list, tuple)) and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)
-    return None if numbers and len(value) == 2 and all(0 <= b < 1 for b in value) else "needs two numbers in [0, 1)"
-
-
-def _check_ns_coefficients(option: Option, value: Any) -> str | None:
-    """What optim/newton_schulz.resolve_coefficients takes, checked without importing torch."""
-    if isinstance(value, str):
-        order = value.removeprefix("series:")
-        if value == "quintic" or (value.startswith("series:") and order.isdigit() and int(order) >= 1):
-            return None
-        return "not quintic or series:K"
-    if isinstance(value, (list, tuple)) and value:
-        numbers = all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in value)
-        return None if numbers else "not a list of finite numbers"
-    return "not a name or a non-empty list"
-
-
-CHECKS: dict[str, Callable[[Option, Any], str | None]] = {
-    "float": _check_number,
-    "int": _check_number,
-    "bool": _check_bool,
-    "choice": _check_choice,
-    "path": _check_path,
-    "model_source": _check_model_source,
-    "text": _check_text,
-    "list": _check_list,
-    "mapping": _check_mapping,
-    "betas": _check_betas,
-    "ns_coefficients": _check_ns_coefficients,
-    "any": lambda option, value: None,
-}
 
 
 def Float(key, help, **bounds) -> Option:
@@ -274,7 +112,7 @@ FIXED: tuple[Option, ...] = (
     ),  # fmt: skip
     Bool("logging.oracle_alignment", "Muon: log true SNR and F(M)/F_BC(M) alignment with the noise-free buffer (not covered)"),
     Int("logging.epsilon_every", "compute ε spent every N steps (and at the last)", ge=1),
-    Int("logging.per_matrix_every", "log Muon's per-matrix SNR and step-length ratio every N steps and at the last (0: only at the last); medians every step", ge=0),
+    Int("logging.per_matrix_every", "Muon's per-matrix SNR and step-length ratio every N steps and at the last (0: the last only; medians every step)", ge=0),
     Bool("logging.progress", "progress bars"),
     # ---- logger
     Choice("logger.name", ("none", "wandb"), "where metrics go besides the run directory"),
@@ -286,10 +124,9 @@ FIXED: tuple[Option, ...] = (
 )
 
 SETTINGS_GROUPS = ("optimizer", "dataset", "model")  # groups whose `_target_` class declares their options
+
+
 # Annotated types → option kinds (a field's `kind` metadata overrides).
-KIND_OF_TYPE = {float: "float", int: "int", bool: "bool", str: "text", list: "list", dict: "mapping"}
-
-
 def target_class(group: str, target: Any) -> type:
     """The settings class a group's `_target_` names."""
     try:
@@ -300,30 +137,6 @@ def target_class(group: str, target: Any) -> type:
     if not dataclasses.is_dataclass(cls) or not all("help" in f.metadata for f in dataclasses.fields(cls)):
         raise ConfigError(f"{group}._target_", target, "not a settings class", "a dataclass whose fields are options (dpmuon.settings.option)")
     return cls
-
-
-def declared_options(prefix: str, cls: type) -> list[Option]:
-    """The options `cls` declares as fields, under `prefix` (a nested settings class: its own keys)."""
-    hints = typing.get_type_hints(cls)
-    options = []
-    for f in dataclasses.fields(cls):
-        key, meta = f"{prefix}.{f.name}", f.metadata
-        hint, nullable = _without_none(hints[f.name])
-        if dataclasses.is_dataclass(hint):
-            options += declared_options(key, hint)
-            continue
-        kind = meta.get("kind") or ("choice" if meta.get("choices") else KIND_OF_TYPE.get(typing.get_origin(hint) or hint, "any"))
-        bounds = {bound: meta.get(bound) for bound in ("gt", "ge", "lt")}
-        options.append(Option(key, kind, meta.get("help", ""), nullable=nullable, choices=tuple(meta.get("choices", ())), **bounds))
-    return options
-
-
-def _without_none(hint: Any) -> tuple[Any, bool]:
-    """(the type, whether None is allowed) of an annotation such as `float | None`."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        return (args[0] if len(args) == 1 else hint), len(args) < len(typing.get_args(hint))
-    return hint, False
 
 
 def options_for(cfg: DictConfig) -> dict[str, Option]:

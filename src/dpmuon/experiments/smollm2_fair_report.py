@@ -222,7 +222,7 @@ def write_report(results: Path, out: Path | None = None) -> list[Path]:
     header = (
         "# DP-Adam vs DP-Muon vs DP-MuonBC on SmolLM2-135M + LoRA (E2E, lot 64, 100 steps, ε = 8)\n\n"
         "From `python -m dpmuon.experiments.smollm2_fair_report`; runs from `python -m dpmuon.experiments.smollm2_fair run`; "
-        "the decision rule was committed in `preregistration.md` before the first final run.\n\n"
+        "the decision rule was committed in `preregistration.md` before the study's first run.\n\n"
         f"{published_seeds_note(results)}\n\n"
     )
     sections = (tuning_markdown(results), arms_markdown(finals), deltas_markdown(finals), verdicts_markdown(finals))

@@ -121,10 +121,13 @@ class GaussianNoise:
         if ahead is None:
             return None
         i = self.stream.draws - ahead.first
-        if ahead.key != self.stream.key or not 0 <= i < len(ahead.sizes) or ahead.sizes[i] != n:
+        # In order and once each: a draw already used (a position restored to it) may have been
+        # consumed in place, and is drawn again in turn.
+        if ahead.key != self.stream.key or i != ahead.taken or i >= len(ahead.sizes) or ahead.sizes[i] != n:
             self._discard()
             return None
         ahead.filled[i].result()  # waits for that draw (and raises its error)
+        ahead.taken += 1
         return self._buffers[i]
 
     def _discard(self) -> None:
@@ -157,14 +160,16 @@ class GaussianNoise:
                 list(pool.map(one, range(count)))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Ahead:
-    """Draws made ahead: the stream's key, the index of the first, their sizes, one future each."""
+    """Draws made ahead: the stream's key, the index of the first, their sizes, one future each,
+    and how many were used."""
 
     key: int
     first: int
     sizes: tuple[int, ...]
     filled: list[Future]
+    taken: int = 0
 
 
 def _chunk_count(n: int) -> int:
