@@ -137,7 +137,7 @@ def test_h2_reads_the_pre_registered_rule(tmp_path, own, matched, verdict):
 def test_the_report_says_what_was_not_measured_and_reads_validation_at_fixed_steps(tmp_path):
     write_report(tmp_path)
     text = (tmp_path / "fair.md").read_text()
-    assert "H1 \"DP-Muon ≫ DP-Adam\": waiting for the finals" in text and "not run yet" in text
+    assert 'H1 "DP-Muon ≫ DP-Adam": waiting for the finals' in text and "not run yet" in text
     curve = [{"step": 0, "val_nll": 3.5}, {"step": 75, "val_nll": 2.2}, {"step": 100, "val_nll": 2.0}, {"step": 50, "val_nll": 1.0}]
     for seed in SEEDS:
         final(tmp_path, "dp_muon", seed, metrics=sorted(curve, key=lambda r: r["step"]))
