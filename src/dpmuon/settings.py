@@ -220,7 +220,8 @@ def _check_model_source(option: Option, value: Any) -> str | None:
 
 
 def _check_text(option: Option, value: Any) -> str | None:
-    return None if isinstance(value, str) else "not a string"
+    # A file's name may come from Python as a path object (the command line gives strings).
+    return None if isinstance(value, (str, os.PathLike)) else "not a string"
 
 
 def _check_list(option: Option, value: Any) -> str | None:
