@@ -105,6 +105,7 @@ def test_oracle_rows_are_logged_and_training_is_unchanged(tmp_path):
     plain = run(compose_config(*TINY, "optimizer=dp_muonbc"), tmp_path / "off")
     traced = run(compose_config(*TINY, "optimizer=dp_muonbc", "logging.oracle_alignment=true"), tmp_path / "on")
     assert traced["final_weights_sha256"] == plain["final_weights_sha256"]  # M₀ never reaches the optimizer
+    assert plain["metric_implementations"] == {} and plain["bleu"] is None  # eval.test=false: nothing scored, no scorers
     published = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
     assert not any(key.startswith("oracle") for row in published for key in row)  # by default: the owner-only file
     rows = [r for r in read_run_rows(tmp_path / "on", diagnostics=True) if r["step"] > 0]  # (step 0: the initial weights' validation NLL)

@@ -47,3 +47,12 @@ def test_learning_rates_come_from_the_summary_or_an_older_records_config(tmp_pat
     assert Run(old, {}).learning_rates == {"lr": 0.03, "adam.lr": 0.002}
     with pytest.raises(RunFormatError, match="no 'learning_rates'"):
         _ = Run(tmp_path / "neither", {}).learning_rates
+
+
+def test_a_run_that_scored_nothing_reads_with_no_scorers_and_tables_say_so(tmp_path: Path, capsys):
+    """eval.test=false (a tuning run) scores nothing: such runs wrote metric_implementations null
+    before the driver wrote {}; both read as no scorers, and a table of them still builds."""
+    write_run(tmp_path / "runs", "old", test_nll=None, bleu=None, bleu_single_ref=None, metric_implementations=None)
+    write_run(tmp_path / "runs", "new", seed=1, test_nll=None, bleu=None, bleu_single_ref=None, metric_implementations={})
+    assert [run.summary["metric_implementations"] for run in find_runs([tmp_path / "runs"])] == [{}, {}]
+    assert tables_main([str(tmp_path / "runs"), "--out", str(tmp_path / "tables")]) == 0

@@ -212,8 +212,12 @@ def run_dirs_below(folder: Path, markers: Sequence[str]) -> list[Path]:
 
 
 def read_summary(file: Path) -> dict[str, Any]:
-    """summary.json, checked against the artifact contract."""
+    """summary.json, checked against the artifact contract. A run that scored nothing (eval.test
+    =false, or diverged) has no scorers: its `metric_implementations` is {} (null in the files
+    such runs wrote before the driver wrote {})."""
     summary = read_json_object(file)
+    if "metric_implementations" in summary and summary["metric_implementations"] is None:
+        summary["metric_implementations"] = {}
     _check_summary(file, summary)
     return summary
 

@@ -621,7 +621,8 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         final_weights_sha256=weights_fingerprint(t.model),
         test_nll=test_nll,
         val_nll=_last(t.metrics.rows(), "val_nll"),
-        **{key: scores[key] for key in SCORE_KEYS},
+        **{key: scores[key] for key in SCORE_KEYS if key != "metric_implementations"},
+        metric_implementations=scores["metric_implementations"] or {},  # nothing scored: no scorers
         test_sources=len(t.data.test_items) if cfg.eval.test else 0,
         train_seconds=t.train_seconds if t.publish_diagnostics else None,
         max_lot_size=t.plan.max_lot_size,
