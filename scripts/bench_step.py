@@ -56,7 +56,7 @@ from dpmuon.jsontext import to_json
 from dpmuon.models import IGNORE_INDEX, LoraOptions, Shape, add_lora, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
-from dpmuon.privacy.mechanism import PrivacySettings, build_mechanism, lot_limit
+from dpmuon.privacy.mechanism import MechanismSettings, build_mechanism, lot_limit
 from dpmuon.training.batching import lot_micro_batches
 from dpmuon.training.data import prepare_data
 from dpmuon.training.loop import privacy_settings
@@ -234,7 +234,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_settings(cfg: DictConfig, lot_size: int, constant_time: bool) -> PrivacySettings:
+def bench_settings(cfg: DictConfig, lot_size: int, constant_time: bool) -> MechanismSettings:
     """The run's privacy settings for timing only: σ and q fixed (not calibrated to the target ε),
     lots of `lot_size` over PLAN_STEPS steps (which set B_max; the bench gives every configuration
     the same lot)."""

@@ -386,3 +386,19 @@ def test_the_example_trains_privately_on_a_jsonl_file_and_prints_epsilon(tmp_pat
     assert math.isfinite(epsilon) and 0 < epsilon <= 8
     lines = (tmp_path / LEDGER_FILE).read_text().splitlines()
     assert len(lines) == 1 + 3 and all(json.loads(line)["charged"] for line in lines[1:])
+
+
+def test_privacy_keywords_are_the_drivers_options_with_its_checks_and_defaults(tmp_path):
+    """make_private's privacy keywords are PrivacySettings' options: a bad value is the command
+    line's one-line message, an unknown keyword names the closest valid one, and the guarantee
+    and its lot are stated, never defaulted."""
+    with pytest.raises(UserError, match=r"^privacy\.clip_norm=-1\.0: must be > 0; valid: a number > 0$"):
+        make(tmp_path, clip_norm=-1.0)
+    with pytest.raises(UserError, match=r"^make_private: unknown keyword 'clip_nrom' \(did you mean clip_norm\?\); valid: run_dir, epochs, "):
+        make(tmp_path, clip_nrom=1.0)
+    with pytest.raises(UserError, match=r"^make_private: unknown keyword 'published_seed'"):  # the driver's own bookkeeping
+        make(tmp_path, published_seed=True)
+    settings = {k: v for k, v in SETTINGS.items() if k != "target_epsilon"}
+    with pytest.raises(UserError, match=r"^make_private: target_epsilon=\.\.\. is required"):
+        dpmuon.make_private(tiny_model(), dataset(), collate, per_example_lm_loss, run_dir=tmp_path / "r", **settings)
+    assert make(tmp_path).plan.max_lot_size is not None  # constant-time lots by default, as in the driver

@@ -18,7 +18,10 @@ indexed, and — with constant-time lots, the default — micro-batches whose sh
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
+import inspect
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,10 +37,11 @@ from .models import hidden_matrices
 from .privacy.conformance import check_user_code
 from .privacy.engines import PerExampleLoss
 from .privacy.engines.base import EXAMPLE_MASK
-from .privacy.mechanism import Mechanism, PrivacySettings, build_mechanism, check_plan_inputs
+from .privacy.mechanism import Mechanism, MechanismSettings, build_mechanism, check_plan_inputs
 from .privacy.privatizer import ReleaseStats
 from .privacy.randomness import USER_SEED
 from .privacy.seed import user_seed
+from .privacy.settings import PrivacySettings
 
 # The example whose rows fill a constant-time micro-batch up (any would do: filler rows add nothing).
 FILLER_EXAMPLE = 0
@@ -243,67 +247,36 @@ def make_private(
     collate_fn: Callable[[list[Any]], Any],
     loss_fn: PerExampleLoss,
     *,
-    target_epsilon: float,
-    delta: float,
-    expected_lot_size: int,
     run_dir: str | Path,
     epochs: float | None = None,
     steps: int | None = None,
-    clip_norm: float = 0.1,
-    clip_mode: str = "per_matrix",
     micro_batch_size: int = 32,
-    noise_multiplier: float | None = None,
-    accountant: str = "prv",
-    threshold_rule: str = "split",
-    other_blocks: str = "per_tensor",
-    noise_allocation: str = "uniform",
-    engine: str = "fast",
-    engine_fallback: str = "generic",
-    sampling: str = "poisson",
     allow_shuffle_sampling: bool = False,
-    secure_noise: bool = False,
-    mechanism_seed_file: str | Path | None = None,
     dataset_name: str = "custom",
-    constant_time: bool = True,
+    **privacy: Any,
 ) -> PrivateTraining:
     """The private release of `model`'s trainable parameters over `train_dataset` (indexable:
     len() and [i]); `collate_fn(examples)` makes a micro-batch, `loss_fn(model, batch)` returns
     its per-example losses, shape [B] (e.g. dpmuon.models.per_example_lm_loss).
 
+    `privacy` are the options of `dpmuon.privacy.settings.PrivacySettings` — the driver's
+    privacy.* keys, with the same defaults and checks — of which `target_epsilon`, `delta` and
+    `expected_lot_size` are required: `clip_norm`, `clip_mode`, `noise_multiplier`, `accountant`, ….
     σ is calibrated to `target_epsilon` at `delta` over `epochs` (or `steps`) of lots of
     `expected_lot_size` expected examples, unless `noise_multiplier` is given (then its ε must
     fit the target). The ledger goes to `run_dir`/privacy_ledger.jsonl (one it already holds is
     continued: its releases count). The mechanism's randomness is secret: OS entropy, or a seed
     from $DPMUON_MECHANISM_SEED or an owner-only `mechanism_seed_file`. `dataset_name` names the
     private set in the ledger (runs on one set compose: python -m dpmuon.eval.study).
-    The other settings are the driver's privacy.* keys (conf/privacy/per_matrix.yaml).
-    `constant_time` (privacy.constant_time): every release runs the same micro-batches, filled
-    up to B_max rows that add nothing (docs/privacy.md#constant-time-lots), so collate_fn must
-    give them one shape (a fixed width); False: lots as drawn, whose step times must not be published.
+    `constant_time` (True by default): every release runs the same micro-batches, filled up to
+    B_max rows that add nothing (docs/privacy.md#constant-time-lots), so collate_fn must give
+    them one shape (a fixed width); False: lots as drawn, whose step times must not be published.
     """
-    refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling, allow_shuffle_sampling, micro_batch_size, constant_time)
-    settings = PrivacySettings(
-        target_epsilon=float(target_epsilon),
-        delta=float(delta),
-        expected_lot_size=int(expected_lot_size),
-        epochs=epochs,
-        steps=steps,
-        noise_multiplier=noise_multiplier,
-        accountant=accountant,
-        clip_mode=clip_mode,
-        clip_norm=float(clip_norm),
-        threshold_rule=threshold_rule,
-        other_blocks=other_blocks,
-        noise_allocation=noise_allocation,
-        engine=engine,
-        engine_fallback=engine_fallback,
-        sampling=sampling,
-        secure_noise=secure_noise,
-        constant_time=constant_time,
-    )
+    settings = facade_settings(privacy, epochs, steps)
+    refuse_unsafe_arguments(model, train_dataset, epochs, steps, settings.sampling, allow_shuffle_sampling, micro_batch_size)
     check_plan_inputs(settings, len(train_dataset))
-    shapes = checked_user_code(model, train_dataset, collate_fn, loss_fn, micro_batch_size, constant_time)
-    secret = user_seed(mechanism_seed_file, seed_file_key="mechanism_seed_file")
+    shapes = checked_user_code(model, train_dataset, collate_fn, loss_fn, micro_batch_size, settings.constant_time)
+    secret = user_seed(settings.mechanism_seed_file, seed_file_key="mechanism_seed_file")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -313,12 +286,46 @@ def make_private(
         )
     except ValueError as err:  # the partition's or the engine's: a setting or a layer it cannot privatize
         raise UserError(f"make_private: {one_line(err)}") from None
-    if not constant_time:
+    if not settings.constant_time:
         say("constant_time=False: step times track the secret lot sizes; publish none of them (per-step timestamps, W&B system metrics, profiles)")
     return PrivateTraining(model, train_dataset, collate_fn, loss_fn, mechanism, micro_batch_size, run_dir, shapes)
 
 
-def refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling: str, allow_shuffle_sampling: bool, micro_batch_size, constant_time=True) -> None:
+# PrivacySettings options make_private does not take: the driver's bookkeeping of its own run folder.
+DRIVER_ONLY = ("published_seed", "keep_mechanism_state")
+# Options the caller states: the driver's config has them from its dataset and experiment.
+STATED = ("target_epsilon", "delta", "expected_lot_size")
+
+
+def privacy_keywords() -> list[str]:
+    """make_private's keywords that are privacy options (PrivacySettings' fields)."""
+    return [f.name for f in dataclasses.fields(PrivacySettings) if f.name not in DRIVER_ONLY]
+
+
+def make_private_keywords() -> list[str]:
+    """Every keyword make_private takes: its own, then the privacy options."""
+    own = [name for name, p in inspect.signature(make_private).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return own + privacy_keywords()
+
+
+def facade_settings(privacy: Mapping[str, Any], epochs: float | None, steps: int | None) -> MechanismSettings:
+    """make_private's privacy keywords as the mechanism's settings; an unknown keyword is one
+    line naming it and the valid ones (PrivacySettings checks the values, as the driver does)."""
+    unknown = [key for key in privacy if key not in privacy_keywords()]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], make_private_keywords(), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise UserError(f"make_private: unknown keyword {unknown[0]!r}{hint}; valid: {', '.join(make_private_keywords())}")
+    missing = [key for key in STATED if key not in privacy]
+    if missing:
+        raise UserError(
+            f"make_private: {missing[0]}=... is required: the guarantee (target_epsilon, delta) and the lot it is made for "
+            "(expected_lot_size) are stated, never defaulted"
+        )
+    return MechanismSettings(**privacy, epochs=epochs, steps=steps)
+
+
+def refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling: str, allow_shuffle_sampling: bool, micro_batch_size) -> None:
     """make_private's refusals that need no mechanism, each in one line naming the argument."""
     if (epochs is None) == (steps is None):
         raise UserError("make_private: give exactly one of epochs=<passes over the data> and steps=<releases>")
@@ -331,8 +338,6 @@ def refuse_unsafe_arguments(model, train_dataset, epochs, steps, sampling: str, 
         )
     if not (isinstance(micro_batch_size, int) and micro_batch_size >= 1):
         raise UserError(f"make_private: micro_batch_size={micro_batch_size!r}; valid: an integer >= 1")
-    if not isinstance(constant_time, bool):
-        raise UserError(f"make_private: constant_time={constant_time!r}; valid: True (the default) or False")
     refuse_batch_norm_in_train_mode(model)
 
 

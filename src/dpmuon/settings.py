@@ -85,20 +85,24 @@ def defaults_of(cls: type) -> dict:
     return out
 
 
-def settings(group: str) -> Callable[[type], type]:
-    """Class decorator: store the options of a settings class, with their defaults and its
-    `_target_`, in Hydra's ConfigStore as `settings/<group>/<ClassName>`. A YAML of conf/<group>/
-    lists it first in its defaults and sets only what differs:
+def settings(group: str, target: bool = True) -> Callable[[type], type]:
+    """Class decorator: store the options of a settings class, with their defaults and (target)
+    its `_target_`, in Hydra's ConfigStore as `settings/<group>/<ClassName>`. A YAML of
+    conf/<group>/ lists it first in its defaults and sets only what differs:
 
         defaults:
           - /settings/optimizer/AdamSettings@_here_
           - _self_
+
+    A group whose YAMLs may name one of several classes (optimizer, dataset, model) keeps the
+    `_target_`; a group with one class of its own (privacy) has none: the schema knows it.
     """
     from hydra.core.config_store import ConfigStore
 
     def store(cls: type) -> type:
         cls.settings_group = group
-        node = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **defaults_of(cls)}
+        node = {"_target_": f"{cls.__module__}.{cls.__qualname__}"} if target else {}
+        node |= defaults_of(cls)
         ConfigStore.instance().store(group=f"settings/{group}", name=cls.__name__, node=node)
         return cls
 
@@ -274,6 +278,8 @@ def declared_options(prefix: str, cls: type) -> list[Option]:
     hints = typing.get_type_hints(cls)
     options = []
     for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:  # a plain field, not an option (a subclass's inputs from elsewhere)
+            continue
         key, meta = f"{prefix}.{f.name}", f.metadata
         hint, nullable = _without_none(hints[f.name])
         if dataclasses.is_dataclass(hint):

@@ -1,6 +1,7 @@
 """`python -m dpmuon.train --options`: every option with its type, default and help.
 
-Types, ranges and help come from the schema (and the classes the groups' `_target_` names);
+Types, ranges and help come from the schema: the settings classes of the groups (GROUP_CLASSES,
+and the classes the other groups' `_target_` names);
 defaults from composing conf/ itself, per option of a config group where they differ between
 its options.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from .schema import Option, repo_options, shown_value
+from .schema import GROUP_CLASSES, Option, repo_options, shown_value
 
 GROUPS = ("dataset", "model", "optimizer", "privacy", "recipe", "logger")  # conf/<group>/*.yaml
 SECTIONS = ("", "data", "dataset", "model", "optimizer", "recipe", "privacy", "trainer", "eval", "logging", "logger")
@@ -61,9 +62,10 @@ def _record(values: dict, label: str, cfg, group: str | None = None) -> None:
 
 
 def section_header(section: str, choices: dict, chosen: dict) -> str:
+    declared = f"; declared by {GROUP_CLASSES[section].__module__}.{GROUP_CLASSES[section].__qualname__}" if section in GROUP_CLASSES else ""
     if section in GROUPS:
-        return f"[{section}]  {section}=  {' | '.join(choices[section])}  (default {chosen[section]}; conf/{section}/)"
-    return f"[{section or 'top level'}]  (conf/config.yaml)"
+        return f"[{section}]  {section}=  {' | '.join(choices[section])}  (default {chosen[section]}; conf/{section}/{declared})"
+    return f"[{section or 'top level'}]  (conf/config.yaml{declared})"
 
 
 def option_line(option: Option, values: dict) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import shown_value
 from ..paths import CONFIG_DIR, REPO_ROOT
 from .options import GROUPS, SECTIONS, collect_defaults, group_options
-from .schema import Option, repo_options
+from .schema import GROUP_CLASSES, Option, repo_options
 
 PAGE = REPO_ROOT / "docs" / "configuration-reference.md"
 REGENERATE = "make docs (or: python -m dpmuon.config.reference)"
@@ -65,6 +65,9 @@ def _section(section: str, choices: dict, defaults: dict) -> str:
         where = f"Choose with `{section}=NAME`, one of {options} (default `{chosen}`; `conf/{section}/NAME.yaml`)."
     else:
         where = "Set in `conf/config.yaml`."
+    if section in GROUP_CLASSES:
+        cls = GROUP_CLASSES[section]
+        where += f" Declared by `{cls.__module__}.{cls.__qualname__}`, whose defaults these are unless the YAML sets its own."
     rows = [_row(option, defaults.get(option.key, {})) for option in repo_options().values() if option.group == section]
     table = "\n".join(["| key | valid | default | description |", "|---|---|---|---|", *rows])
     return f"## {section or 'top level'}\n\n{where}\n\n{table}\n"

@@ -1,6 +1,7 @@
 """The configuration schema: one declaration per option (type, allowed values, help).
 
-The driver's own options are declared here, with their defaults in `conf/`. A config group whose
+The driver's own options are declared here, with their defaults in `conf/`, or by a settings class
+of their group (`GROUP_CLASSES`: data, recipe, privacy, trainer, eval, logging, logger). A config group whose
 section names a class in `_target_` (an optimizer, a dataset, a model) takes the rest from that
 class's fields (`dpmuon.settings.option`: type, default, checks, help), declared once beside the
 code that uses them. `validate` checks a composed config before anything is read or loaded, so
@@ -22,108 +23,51 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ..data.dataset import DataSettings
 from ..errors import ConfigError, UserError, one_line, shown_value  # noqa: F401  (ConfigError, one_line: re-exported)
+from ..eval.settings import EvalSettings
 from ..paths import CONFIG_DIR
+from ..privacy.settings import PrivacySettings
 from ..settings import Option, declared_options, looks_local  # noqa: F401  (looks_local: re-exported)
+from ..training.settings import LoggerSettings, LoggingSettings, RecipeSettings, TrainerSettings
 
 ABSENT = object()
 
 
-def Float(key, help, **bounds) -> Option:
-    return Option(key, "float", help, **bounds)
-
-
-def Int(key, help, **bounds) -> Option:
-    return Option(key, "int", help, **bounds)
-
-
-def Bool(key, help) -> Option:
-    return Option(key, "bool", help)
-
-
-def Choice(key, choices, help, nullable=False) -> Option:
-    return Option(key, "choice", help, choices=tuple(choices), nullable=nullable)
-
-
-# The driver's own options; the classes that groups name in `_target_` declare the rest.
+# The top-level options and the `_target_` of the groups that name their class; the classes
+# (SETTINGS_GROUPS' `_target_`s and GROUP_CLASSES) declare every other option.
 FIXED: tuple[Option, ...] = (
     # ---- top level
-    Int("seed", "public seed: initialisation, dropout, DP-MuonBC probes (never the mechanism)", ge=0),
+    Option("seed", "int", "public seed: initialisation, dropout, DP-MuonBC probes (never the mechanism)", ge=0),
     Option("resume", "path", "run directory to continue (its stored config is used)", nullable=True),
     Option("experiment_name", "text", "tag naming the output folder and the W&B group"),
-    # ---- data
-    Option("data.root", "path", "raw-data folder laid out as e2e/…, dart/… (null: $DPMUON_DATA_DIR, else data/raw/)", nullable=True),
-    Option("data.max_train_examples", "int", "use only the first N training examples (null: all)", nullable=True, ge=1),
-    Option("data.max_valid_examples", "int", "use only the first N validation examples (null: all)", nullable=True, ge=1),
-    Option("data.max_test_sources", "int", "score only the first N test sources (null: all)", nullable=True, ge=1),
     # ---- dataset
     Option("dataset._target_", "text", "the dataset's settings class (its fields are the other options; reader() reads it)"),
     # ---- model
     Option("model._target_", "text", "the model's settings class (its fields are the other options; build() makes the model)"),
     # ---- optimizer (its class, `_target_`, declares the rest: dpmuon.optim.settings)
     Option("optimizer._target_", "text", "the optimizer's settings class (its fields are the other options; build() makes it)"),
-    # ---- recipe
-    Option("recipe.lr", "mapping", "learning rate per optimizer name (optimizer.lr, and a Muon's adam.lr, default to its entry)"),
-    Float("recipe.epochs", "epochs of the recipe (trainer.epochs defaults to them)", gt=0),
-    # ---- privacy
-    Float("privacy.target_epsilon", "ε of the (ε, δ) guarantee", gt=0),
-    Float("privacy.delta", "δ of the guarantee; must be < 1/N", gt=0, lt=1),
-    Choice("privacy.accountant", ("prv", "rdp"), "privacy accountant"),
-    Float("privacy.noise_multiplier", "σ (null: calibrated from ε, δ, q and the steps)", nullable=True, gt=0),
-    Int("privacy.expected_lot_size", "expected lot size (q = lot / N)", ge=1),
-    Choice("privacy.sampling", ("poisson", "shuffle"), "lot sampling (shuffle: fixed-size lots the accountant does not cover, refused for private runs)"),
-    Choice("privacy.clip_mode", ("per_matrix", "flat"), "per-matrix thresholds or one global threshold"),
-    Float("privacy.clip_norm", "total clipping threshold C", gt=0),
-    Choice("privacy.threshold_rule", ("split", "scalar", "by_size"), "how C is split over blocks"),
-    Choice("privacy.other_blocks", ("per_tensor", "group"), "blocks of the non-matrix tensors"),
-    Choice("privacy.noise_allocation", ("uniform", "proportional"), "noise over blocks"),
-    Choice("privacy.engine", ("fast", "opacus"), "per-example gradient engine"),
-    Choice("privacy.engine_fallback", ("generic", "error"), "a trainable module without an engine rule: torch.func per-example gradients, or refuse"),
-    Bool("privacy.secure_noise", "lots and noise from the OS CSPRNG (nothing seeded; slower)"),
-    Bool("privacy.constant_time", "pad every lot to a fixed bound and fixed shapes, so step time reveals nothing (costs the padding)"),
-    Option("privacy.mechanism_seed_file", "text", "owner-only file holding the mechanism seed (null: $DPMUON_MECHANISM_SEED, else OS entropy)", nullable=True),
-    Bool("privacy.published_seed", "the mechanism seed is published (a measurement): the summary says its ε is no guarantee"),
-    Bool("privacy.keep_mechanism_state", "keep <run>/mechanism_state.pt after the run completes"),
-    # ---- trainer
-    Choice("trainer.device", ("auto", "cpu", "cuda"), "where to train"),
-    Choice("trainer.precision", ("auto", "fp32", "bf16"), "forward precision (auto: bf16 on cuda, fp32 on cpu)"),
-    Float("trainer.epochs", "epochs (steps = ⌈epochs/q⌉) unless trainer.steps is set", nullable=True, gt=0),
-    Int("trainer.steps", "planned steps (null: from the epochs)", nullable=True, ge=1),
-    Int("trainer.micro_batch_size", "physical batch; the lot is split into these", ge=1),
-    Choice("trainer.fixed_batch_shape", ("auto", True, False), "private runs: pad micro-batches to one shape (auto: on under bf16)"),
-    Int("trainer.eval_every", "validation NLL every N steps (0: only at the end)", ge=0),
-    Int("trainer.checkpoint_every", "checkpoint every N steps (0: only at the end)", ge=0),
-    Bool("trainer.keep_checkpoint", "keep the final checkpoint in the run directory"),
-    Bool("trainer.save_model", "also save the final model + tokenizer (run_dir/model)"),
-    Int("trainer.num_threads", "torch CPU threads (null: torch's default)", nullable=True, ge=1),
-    # ---- eval
-    Bool("eval.test", "score the test set (false: validation only, e.g. tuning)"),
-    Bool("eval.validation", "compute the validation NLL"),
-    Choice("eval.validation_split", ("private", "public"), "whether the validation split is public (private: not covered)"),
-    Choice("eval.decoding", ("beam", "greedy"), "decoding of the test sources"),
-    Int("eval.num_beams", "beam width", ge=1),
-    Int("eval.max_new_tokens", "longest generation", ge=1),
-    Int("eval.batch_size", "evaluation batch (NLL uses 4×)", ge=1),
-    # ---- logging
-    Choice(
-        "logging.nonprivate_diagnostics",
-        (False, "file", "publish", True),
-        "train loss, lot size, clip fractions, timings (not covered): file (owner-only diagnostics.jsonl) | publish (metrics, W&B too; true)",
-    ),  # fmt: skip
-    Bool("logging.oracle_alignment", "Muon: log true SNR and F(M)/F_BC(M) alignment with the noise-free buffer (not covered)"),
-    Int("logging.epsilon_every", "compute ε spent every N steps (and at the last)", ge=1),
-    Int("logging.per_matrix_every", "Muon's per-matrix SNR and step-length ratio every N steps and at the last (0: the last only; medians every step)", ge=0),
-    Bool("logging.progress", "progress bars"),
-    # ---- logger
-    Choice("logger.name", ("none", "wandb"), "where metrics go besides the run directory"),
-    Option("logger.project", "text", "W&B project"),
-    Option("logger.entity", "text", "W&B entity", nullable=True),
-    Option("logger.group", "text", "W&B group"),
-    Option("logger.tags", "list", "W&B tags"),
-    Choice("logger.mode", ("online", "offline", "disabled"), "W&B mode (null: online with an API key, else offline)", nullable=True),
 )
 
 SETTINGS_GROUPS = ("optimizer", "dataset", "model")  # groups whose `_target_` class declares their options
+# Groups declared by one class of their own (no `_target_`).
+GROUP_CLASSES = {
+    "data": DataSettings,
+    "recipe": RecipeSettings,
+    "privacy": PrivacySettings,
+    "trainer": TrainerSettings,
+    "eval": EvalSettings,
+    "logging": LoggingSettings,
+    "logger": LoggerSettings,
+}
+
+
+def driver_options() -> dict[str, Option]:
+    """The options every config has: FIXED's and those of the GROUP_CLASSES."""
+    options = {option.key: option for option in FIXED}
+    for group, cls in GROUP_CLASSES.items():
+        options.update((o.key, o) for o in declared_options(group, cls))
+    return options
 
 
 # Annotated types → option kinds (a field's `kind` metadata overrides).
@@ -141,7 +85,7 @@ def target_class(group: str, target: Any) -> type:
 
 def options_for(cfg: DictConfig) -> dict[str, Option]:
     """The options of this config: the driver's, and those of the classes its groups name."""
-    options = {option.key: option for option in FIXED}
+    options = driver_options()
     for group in SETTINGS_GROUPS:
         target = OmegaConf.select(cfg, f"{group}._target_", default=None)
         if target is not None:
@@ -156,7 +100,7 @@ def repo_options() -> dict[str, Option]:
     choices joined with those of the others: E2E's and DART's `format`)."""
     from .roster import group_yaml  # (the roster imports this module's package)
 
-    options = {option.key: option for option in FIXED}
+    options = driver_options()
     for group in SETTINGS_GROUPS:
         for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
             target = group_yaml(group, path.stem).get("_target_")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dpmuon.data.records import Example
-from dpmuon.settings import Settings, option
+from dpmuon.settings import Settings, option, settings
 
 
 class Reader(Protocol):
@@ -59,3 +59,14 @@ class FileReader:
         from dpmuon.data.encoding import encode_for_training
 
         return encode_for_training(examples, self.tokenizer, max_length)
+
+
+@settings("data", target=False)
+@dataclass(frozen=True, kw_only=True)
+class DataSettings(Settings):
+    """Where the raw files are, and which part of each split a run uses (data.*)."""
+
+    root: str | None = option(None, "raw-data folder laid out as e2e/…, dart/… (null: $DPMUON_DATA_DIR, else data/raw/)", kind="path")
+    max_train_examples: int | None = option(None, "use only the first N training examples, in file order (null: all)", ge=1)
+    max_valid_examples: int | None = option(1000, "use only the first N validation examples (null: all)", ge=1)
+    max_test_sources: int | None = option(None, "score only the first N test sources (null: all)", ge=1)

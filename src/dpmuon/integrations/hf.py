@@ -38,7 +38,6 @@ guarantee, as the driver's private validation NLL is.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -57,7 +56,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 
 from .. import run_folder
 from ..errors import UserError
-from ..facade import Lot, PrivateTraining, make_private, say
+from ..facade import Lot, PrivateTraining, make_private, make_private_keywords, say
 from ..models import per_example_lm_loss
 from ..optim import build as build_optimizer
 from ..privacy.ledger import LedgerIntegrityError
@@ -172,7 +171,7 @@ def refuse_unsafe_setup(cls: type, args: TrainingArguments | None, train_dataset
     if given:
         key = sorted(given)[0]
         raise UserError(f"DPTrainer: privacy[{key!r}]: set it as TrainingArguments.{FROM_TRAINING_ARGUMENTS[key]}")
-    known = set(inspect.signature(make_private).parameters) - {"model", "train_dataset", "collate_fn", "loss_fn"}
+    known = set(make_private_keywords())
     unknown = sorted(set(privacy) - known)
     if unknown:
         valid = ", ".join(sorted(known - set(FROM_TRAINING_ARGUMENTS)))

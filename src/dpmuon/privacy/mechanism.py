@@ -31,32 +31,18 @@ from .privatizer import NonPrivateRelease, Privatizer
 from .randomness import MechanismRandomness
 from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler
 from .seed import STRONG_SEED, WEAK_SEED_WARNING
+from .settings import PrivacySettings
 
 Log = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class PrivacySettings:
-    """What decides the mechanism (the driver's privacy.* keys, trainer.epochs/steps and whether
-    the optimizer is private; conf/privacy/per_matrix.yaml documents each)."""
+@dataclass(frozen=True, kw_only=True)
+class MechanismSettings(PrivacySettings):
+    """What decides the mechanism: the privacy options (privacy/settings.py) and the run's length
+    and kind, which are not privacy options (the driver's trainer.epochs/steps, optimizer.private)."""
 
-    target_epsilon: float
-    delta: float
-    expected_lot_size: int
     epochs: float | None = None
     steps: int | None = None  # given: the plan's steps; else ⌈epochs/q⌉
-    noise_multiplier: float | None = None  # None: calibrated from the target ε
-    accountant: str = "prv"
-    clip_mode: str = "per_matrix"
-    clip_norm: float = 0.1
-    threshold_rule: str = "split"
-    other_blocks: str = "per_tensor"
-    noise_allocation: str = "uniform"
-    engine: str = "fast"
-    engine_fallback: str = "generic"  # a trainable module no rule of the engine knows: "generic" (torch.func) or "error"
-    sampling: str = "poisson"
-    secure_noise: bool = False
-    constant_time: bool = False
     private: bool = True  # False: the non-private reference (no clipping, no noise, nothing charged)
 
 
@@ -108,7 +94,7 @@ class Mechanism:
 def build_mechanism(
     model: nn.Module,
     dataset_size: int,
-    settings: PrivacySettings,
+    settings: MechanismSettings,
     *,
     hidden_matrices: Mapping[str, str],
     user_secret: int | None,
@@ -143,7 +129,7 @@ def build_mechanism(
     return Mechanism(plan, randomness, ledger, partition, release, sampler, parallel)
 
 
-def check_plan_inputs(settings: PrivacySettings, dataset_size: int) -> None:
+def check_plan_inputs(settings: MechanismSettings, dataset_size: int) -> None:
     """The plan's checks that need only N (the lot, the steps, δ < 1/N, the accountant's range):
     callers run them before building or downloading a model."""
     plan_length(dataset_size, int(settings.expected_lot_size), settings.epochs, settings.steps)
@@ -151,7 +137,7 @@ def check_plan_inputs(settings: PrivacySettings, dataset_size: int) -> None:
         check_private_inputs(dataset_size, float(settings.target_epsilon), float(settings.delta), str(settings.accountant))
 
 
-def privacy_plan(settings: PrivacySettings, dataset_size: int, released_coordinates: int, log: Log = print) -> PrivacyPlan:
+def privacy_plan(settings: MechanismSettings, dataset_size: int, released_coordinates: int, log: Log = print) -> PrivacyPlan:
     """q, steps and σ, fixed before step 1 (and said)."""
     max_lot_size, truncation = lot_limit(settings, dataset_size)
     plan = make_plan(
@@ -181,7 +167,7 @@ def privacy_plan(settings: PrivacySettings, dataset_size: int, released_coordina
     return plan
 
 
-def lot_limit(settings: PrivacySettings, dataset_size: int) -> tuple[int | None, float]:
+def lot_limit(settings: MechanismSettings, dataset_size: int) -> tuple[int | None, float]:
     """Constant-time lots: the rows every step processes (B_max; None: lots as drawn) and the
     probability per step that a Poisson lot is truncated to them (charged by the accountant)."""
     if not (settings.private and settings.constant_time):
@@ -194,7 +180,7 @@ def lot_limit(settings: PrivacySettings, dataset_size: int) -> tuple[int | None,
 
 
 def mechanism_randomness(
-    user_secret: int | None, settings: PrivacySettings, parallel: DataParallel = SINGLE, public_seed: int = 0, log: Log = print
+    user_secret: int | None, settings: MechanismSettings, parallel: DataParallel = SINGLE, public_seed: int = 0, log: Log = print
 ) -> MechanismRandomness:
     """Secret lot and noise generators; all ranks share rank 0's (they must draw the same lots)."""
     secret = user_secret
@@ -237,7 +223,7 @@ def build_release(
     named: Mapping[str, nn.Parameter],
     matrices: Mapping[str, str],
     plan: PrivacyPlan,
-    settings: PrivacySettings,
+    settings: MechanismSettings,
     noise: GaussianNoise,
     parallel: DataParallel = SINGLE,
     ledger: PrivacyLedger | None = None,

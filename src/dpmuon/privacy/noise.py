@@ -20,8 +20,7 @@ import torch
 from .blocks import BlockPartition
 from .grid import release_on_grid
 from .randomness import CHUNK, KEY_BITS, SecretStream, secure_standard_normal
-
-NOISE_ALLOCATIONS = ("uniform", "proportional")
+from .settings import NOISE_ALLOCATIONS
 
 
 def block_noise_stds(partition: BlockPartition, noise_multiplier: float, allocation: str = "uniform") -> list[float]:

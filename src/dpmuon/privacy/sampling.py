@@ -7,8 +7,7 @@ import warnings
 import numpy as np
 
 from .randomness import SecretStream, secure_uniform
-
-SAMPLINGS = ("poisson", "shuffle")
+from .settings import SAMPLINGS
 
 
 class PoissonLotSampler:

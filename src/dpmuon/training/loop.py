@@ -55,7 +55,7 @@ from ..privacy import (
 )
 from ..privacy.distributed import DataParallel, init_data_parallel
 from ..privacy.ledger import LedgerIntegrityError
-from ..privacy.mechanism import Mechanism, PrivacySettings, build_mechanism, check_plan_inputs
+from ..privacy.mechanism import Mechanism, MechanismSettings, build_mechanism, check_plan_inputs
 from ..privacy.plan import PrivacyPlan, check_resume_compatible
 from ..privacy.randomness import PUBLISHED_SEED, USER_SEED
 from .batching import lot_micro_batches
@@ -270,7 +270,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
 
 
 def run_mechanism(
-    cfg: DictConfig, settings: PrivacySettings, run_dir: Path, model: torch.nn.Module, dataset_size: int, matrices: dict, parallel: DataParallel
+    cfg: DictConfig, settings: MechanismSettings, run_dir: Path, model: torch.nn.Module, dataset_size: int, matrices: dict, parallel: DataParallel
 ) -> Mechanism:
     """The run's mechanism (privacy/mechanism.py), its ledger in the run directory."""
     if settings.private:
@@ -290,27 +290,17 @@ def run_mechanism(
     )
 
 
-def privacy_settings(cfg: DictConfig) -> PrivacySettings:
+# Privacy options a run stored before they existed ran without: a resume keeps what it ran with.
+OPTIONS_BEFORE_THEY_EXISTED = {"constant_time": False, "engine_fallback": "generic"}
+
+
+def privacy_settings(cfg: DictConfig) -> MechanismSettings:
     """The mechanism's settings in a run's config (privacy.*, trainer.epochs/steps, optimizer.private)."""
-    privacy = cfg.privacy
-    return PrivacySettings(
-        target_epsilon=float(privacy.target_epsilon),
-        delta=float(privacy.delta),
-        expected_lot_size=int(privacy.expected_lot_size),
+    privacy = OmegaConf.to_container(cfg.privacy, resolve=True)
+    return MechanismSettings(
+        **(OPTIONS_BEFORE_THEY_EXISTED | privacy),
         epochs=cfg.trainer.epochs,
         steps=cfg.trainer.steps,
-        noise_multiplier=privacy.noise_multiplier,
-        accountant=str(privacy.accountant),
-        clip_mode=str(privacy.clip_mode),
-        clip_norm=float(privacy.clip_norm),
-        threshold_rule=str(privacy.threshold_rule),
-        other_blocks=str(privacy.other_blocks),
-        noise_allocation=str(privacy.noise_allocation),
-        engine=str(privacy.engine),
-        engine_fallback=str(privacy.get("engine_fallback", "generic")),
-        sampling=str(privacy.sampling),
-        secure_noise=bool(privacy.secure_noise),
-        constant_time=bool(privacy.get("constant_time", False)),  # a run stored before the key: off
         private=bool(cfg.optimizer.private),
     )
 

@@ -44,7 +44,7 @@ registry, keyed by exact module type: `register_layer`), `generic` (the fallback
 (hooks, backward, clipping).
 """
 
-from .engine import FALLBACKS, FastEngine, TiedHead
+from .engine import FastEngine, TiedHead
 from .generic import GenericLayer, PerExampleGradients
 from .kernels import WEIGHT_NORM_RULES, WeightNormRule, direct_weight_norms, ghost_weight_norms, prefers_ghost, weighted_outer_sum
 from .layers import (
@@ -63,7 +63,6 @@ from .layers import (
 )
 
 __all__ = [
-    "FALLBACKS",
     "LAYER_RULES",
     "WEIGHT_NORM_RULES",
     "AffineLayer",

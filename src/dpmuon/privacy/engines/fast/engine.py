@@ -16,13 +16,11 @@ from torch.profiler import record_function
 
 from ...blocks import BlockPartition
 from ...clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
+from ...settings import ENGINE_FALLBACKS
 from ..base import PerExampleEngine, PerExampleLoss, example_rows, full_precision, register_engine
 from .generic import GenericLayer, PerExampleGradients
 from .kernels import WEIGHT_NORM_RULES, WeightNormRule, tied_cross_term
 from .layers import EXAMPLE_MAJOR_FLATTENING, LAYER_RULES, AffineLayer, EmbeddingLayer, Layer, Trace, rule_for
-
-# privacy.engine_fallback: what a trainable module without a layer rule gets.
-FALLBACKS: tuple[str, ...] = ("generic", "error")
 
 
 @dataclass
@@ -84,8 +82,8 @@ class FastEngine(PerExampleEngine):
         super().__init__(model, partition, constant_time)
         if weight_norms not in WEIGHT_NORM_RULES:
             raise ValueError(f"unknown weight norm rule {weight_norms!r}; valid: {', '.join(WEIGHT_NORM_RULES)}")
-        if fallback not in FALLBACKS:
-            raise ValueError(f"unknown privacy.engine_fallback {fallback!r}; valid: {', '.join(FALLBACKS)}")
+        if fallback not in ENGINE_FALLBACKS:
+            raise ValueError(f"unknown privacy.engine_fallback {fallback!r}; valid: {', '.join(ENGINE_FALLBACKS)}")
         owners, module_names = self._trainable_owners(model)
         generic = self._generic_modules(owners, module_names, fallback)
         self.tied: list[TiedHead] = []
