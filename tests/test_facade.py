@@ -402,3 +402,57 @@ def test_privacy_keywords_are_the_drivers_options_with_its_checks_and_defaults(t
     with pytest.raises(UserError, match=r"^make_private: target_epsilon=\.\.\. is required"):
         dpmuon.make_private(tiny_model(), dataset(), collate, per_example_lm_loss, run_dir=tmp_path / "r", **settings)
     assert make(tmp_path).plan.max_lot_size is not None  # constant-time lots by default, as in the driver
+
+
+def released_grads(private) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in private.params.items()}
+
+
+def test_state_dict_continues_a_run_whose_re_run_steps_replay_for_free(tmp_path):
+    """state_dict() keeps the secret generator states owner-only beside the ledger and returns a
+    shareable record; a new process given the record replays the lots and noise of the steps after
+    it — identical releases, charged once — as the driver's resume does."""
+    first = make(tmp_path)
+    first.release(first.draw_lot())
+    record = first.state_dict()
+    lot = first.draw_lot()
+    first.release(lot)
+    released = released_grads(first)
+    assert set(record) == {"step", "plan", "ledger_head", "ledger_length"} and record["step"] == 1
+    state_file = tmp_path / "run" / "mechanism_state.pt"
+    assert state_file.stat().st_mode & 0o777 == 0o600
+    assert "randomness" not in json.dumps(record)
+
+    second = make(tmp_path)  # a new process on the same run_dir: its ledger holds both releases
+    second.load_state_dict(json.loads(json.dumps(record)))
+    again = second.draw_lot()
+    assert (again.step, again.indices) == (2, lot.indices)
+    second.release(again)
+    assert all(torch.equal(released[name], g) for name, g in released_grads(second).items())
+    assert second.mechanism.release.accountant.steps == 2  # the replay is not charged again
+    lines = [json.loads(line) for line in (tmp_path / "run" / LEDGER_FILE).read_text().splitlines()[1:]]
+    assert [(r["step"], r["charged"]) for r in lines] == [(1, True), (2, True), (2, False)]
+
+
+def test_a_deleted_or_shortened_ledger_is_not_continued(tmp_path):
+    """With a saved state, the releases it recorded must still be in the ledger: a deleted ledger
+    is refused when make_private opens the run_dir, a shortened one when the record is loaded."""
+    first = make(tmp_path)
+    first.release(first.draw_lot())
+    first.release(first.draw_lot())
+    record = first.state_dict()
+    ledger = tmp_path / "run" / LEDGER_FILE
+    lines = ledger.read_text().splitlines(keepends=True)
+    ledger.write_text("".join(lines[:-1]))
+    with pytest.raises(UserError, match=r"cannot continue this run directory: .*the state_dict record"):
+        make(tmp_path).load_state_dict(record)
+    ledger.unlink()
+    with pytest.raises(UserError, match=r"privacy_ledger\.jsonl is missing but mechanism_state\.pt records 3 lines: the ledger was deleted"):
+        make(tmp_path)
+
+
+def test_state_dict_refuses_a_lot_drawn_and_not_released(tmp_path):
+    private = make(tmp_path)
+    private.draw_lot()
+    with pytest.raises(UserError, match=r"^state_dict\(\): lot 1 was drawn and not released"):
+        private.state_dict()

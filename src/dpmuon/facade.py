@@ -38,10 +38,12 @@ from .privacy.conformance import check_user_code
 from .privacy.engines import PerExampleLoss
 from .privacy.engines.base import EXAMPLE_MASK
 from .privacy.mechanism import Mechanism, MechanismSettings, build_mechanism, check_plan_inputs
+from .privacy.plan import check_resume_compatible
 from .privacy.privatizer import ReleaseStats
 from .privacy.randomness import USER_SEED
 from .privacy.seed import user_seed
 from .privacy.settings import PrivacySettings
+from .privacy.state import MECHANISM_STATE_FILE, check_ledger_kept, ledger_record, restore_mechanism, save_mechanism_state, secret_state, verify_ledger
 
 # The example whose rows fill a constant-time micro-batch up (any would do: filler rows add nothing).
 FILLER_EXAMPLE = 0
@@ -214,6 +216,44 @@ class PrivateTraining:
         """Remove the engine's hooks from the model."""
         self.mechanism.close()
 
+    # -- saving and continuing (privacy/state.py) ----------------------------------------------
+
+    @property
+    def mechanism_state_path(self) -> Path:
+        return self.run_dir / MECHANISM_STATE_FILE
+
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """Where the mechanism stands after release `step` (default: the last lot drawn), as a
+        record you may store beside your model's checkpoint and share: the step, the plan, and
+        the ledger's head and length. The secret half — the lot sampler's and the noise's
+        generator states, which regenerate the lots and noise — goes to run_dir's owner-only
+        mechanism_state.pt (the last two kept), never into the record."""
+        if self._pending and step is None:
+            raise UserError(
+                f"state_dict(): lot {self._pending[0][1]} was drawn and not released; release every lot drawn before saving "
+                "(a lot skipped on resume would be one chosen after it was seen)"
+            )
+        step = self.next_step - 1 if step is None else int(step)
+        save_mechanism_state(self.mechanism_state_path, step, secret_state(self.mechanism))
+        return {"step": step, "plan": self.plan.as_dict(), **ledger_record(self.mechanism.ledger)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict()` record: refused unless the plan is the same and run_dir's
+        ledger still holds every line the record (and the secret state saved with it) saw — a
+        deleted, truncated or edited ledger would forget releases. The steps after it then replay
+        their lots and noise (an identical release is free), or, if the secret state is gone, draw
+        fresh ones (each re-run step a new, charged release)."""
+        try:
+            check_resume_compatible(state["plan"], self.plan)
+            step = int(state["step"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise UserError(f"load_state_dict(): not a record of PrivateTraining.state_dict() ({one_line(err)})") from None
+        verify_ledger(self.mechanism.ledger, state, "the state_dict record")
+        restore_mechanism(self.mechanism, self.mechanism_state_path, step, say)
+        self._pending.clear()
+        self.next_step = step + 1
+        say(f"continuing at step {self.next_step} of {self.plan.steps}, ε so far {self.epsilon:.4f} (from the ledger)")
+
     def _micro_batches(self, indices: Sequence[int]) -> Iterator[Any]:
         size = self.micro_batch_size
         if self.padded_rows is None:
@@ -279,6 +319,7 @@ def make_private(
     secret = user_seed(settings.mechanism_seed_file, seed_file_key="mechanism_seed_file")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    check_ledger_kept(run_dir)  # a deleted ledger under a run that saved its state: its releases would be lost to ε
     try:
         matrices = hidden_matrices(model)
         mechanism = build_mechanism(

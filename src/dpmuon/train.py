@@ -75,7 +75,7 @@ def check_resume_seed(cfg: DictConfig, run_dir: Path) -> None:
     No file of the run holds a user seed: its saved mechanism state carries the draws on, and
     before that state exists (a stop during setup) only the seed given again can.
     """
-    from .training.mechanism_state import has_saved_state
+    from .privacy.state import has_saved_state
 
     started_with_seed, given = recorded_seed_use(run_dir), user_mechanism_secret(cfg) is not None
     if started_with_seed is False and given:

@@ -13,11 +13,13 @@ import pytest
 import torch
 from helpers_train import compose_config, require_real_data
 
+from dpmuon import durable
+from dpmuon.durable import WriteFailed, temp_files
 from dpmuon.errors import UserError
+from dpmuon.privacy.state import load_mechanism_state, save_mechanism_state
 from dpmuon.training import loop, run_files
 from dpmuon.training.checkpoint import CHECKPOINT_KEYS, load_checkpoint, save_checkpoint
-from dpmuon.training.mechanism_state import load_mechanism_state, save_mechanism_state
-from dpmuon.training.run_files import MetricsLog, WriteFailed, atomic_write_json, temp_files
+from dpmuon.training.run_files import MetricsLog, atomic_write_json
 
 TINY = [
     "experiment=smoke", "optimizer=dp_muon", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=128",
@@ -56,7 +58,7 @@ class FullDisk(io.RawIOBase):
 
 def fill_the_disk_at(monkeypatch, name: str, nth: int, room: int = 1000) -> None:
     """The `nth` atomic write of `name` (1-based) meets a full disk; every other write has room."""
-    mkstemp, fdopen, temps, calls = run_files.tempfile.mkstemp, run_files.os.fdopen, {}, []
+    mkstemp, fdopen, temps, calls = durable.tempfile.mkstemp, durable.os.fdopen, {}, []
 
     def made(*args, **kwargs):
         fd, tmp = mkstemp(*args, **kwargs)
@@ -71,7 +73,7 @@ def fill_the_disk_at(monkeypatch, name: str, nth: int, room: int = 1000) -> None
                 return io.BufferedWriter(FullDisk(file, room))
         return file
 
-    monkeypatch.setattr(run_files.tempfile, "mkstemp", made)
+    monkeypatch.setattr(durable.tempfile, "mkstemp", made)
     monkeypatch.setattr(run_files.os, "fdopen", opened)
 
 

@@ -8,8 +8,9 @@ import os
 import stat
 import sys
 
+from dpmuon.durable import atomic_write
 from dpmuon.paths import REPO_ROOT
-from dpmuon.training.run_files import MetricsLog, atomic_write, atomic_write_json, command_line, repo_relative
+from dpmuon.training.run_files import MetricsLog, atomic_write_json, command_line, repo_relative
 
 
 def test_paths_inside_the_checkout_are_recorded_relative_and_others_unchanged(monkeypatch):

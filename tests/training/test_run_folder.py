@@ -199,8 +199,8 @@ def test_a_sweep_refuses_a_sweep_folder_that_holds_earlier_runs(tmp_path, no_dat
 def test_the_run_state_files_are_the_ones_the_run_writes():
     from dpmuon.eval.runs import DIAGNOSTICS_FILE
     from dpmuon.privacy.ledger import LEDGER_FILE
+    from dpmuon.privacy.state import MECHANISM_STATE_FILE
     from dpmuon.training.checkpoint import CHECKPOINT_FILE
-    from dpmuon.training.mechanism_state import MECHANISM_STATE_FILE
     from dpmuon.training.run_identity import RUN_STATE
 
     assert {CHECKPOINT_FILE, MECHANISM_STATE_FILE, LEDGER_FILE, DIAGNOSTICS_FILE, "metrics.jsonl", "summary.json"} == set(RUN_STATE)

@@ -18,9 +18,9 @@ from helpers_train import compose_config, require_real_data
 from dpmuon.errors import UserError
 from dpmuon.privacy.mechanism import mechanism_randomness
 from dpmuon.privacy.randomness import USER_SEED
+from dpmuon.privacy.state import save_mechanism_state
 from dpmuon.train import check_resume_seed, cli
 from dpmuon.training import loop
-from dpmuon.training.mechanism_state import save_mechanism_state
 from dpmuon.training.secret import (
     MECHANISM_SEED_ENV,
     WEAK_SEED_WARNING,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import REPO_ROOT
+from ..privacy.state import has_saved_state
 from ..run_folder import PUBLISHED, RUNNER_LOCK, is_finished
-from ..training.mechanism_state import has_saved_state
 from ..training.secret import MECHANISM_SEED_ENV
 
 REPO = REPO_ROOT

@@ -59,10 +59,8 @@ from ..errors import UserError
 from ..facade import Lot, PrivateTraining, make_private, make_private_keywords, say
 from ..models import per_example_lm_loss
 from ..optim import build as build_optimizer
-from ..privacy.ledger import LedgerIntegrityError
-from ..privacy.plan import check_resume_compatible
 from ..privacy.privatizer import ReleaseStats, ReplayMismatchError
-from ..training.mechanism_state import discard_mechanism_state, load_mechanism_state, save_mechanism_state
+from ..privacy.state import discard_mechanism_state
 from ..training.run_files import atomic_write_json, freeze_times
 
 PRIVACY_RECORD = "dpmuon_privacy.json"  # in each checkpoint-N/: the ledger's head and length, the plan (public)
@@ -417,14 +415,12 @@ class DPTrainer(Trainer):
     # -- checkpoints and resume --------------------------------------------------------------------------
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        step, mechanism = self.state.global_step, self.private.mechanism
-        ledger = {"ledger_head": mechanism.ledger.head, "ledger_length": mechanism.ledger.length}
+        step = self.state.global_step
         # The secret half first (owner-only, outside the checkpoint folders people copy and share).
-        secret = {"randomness": mechanism.randomness.state_dict(), "sampler": mechanism.sampler.state_dict(), **ledger}
-        save_mechanism_state(self.mechanism_state_path, step, secret)
+        record = self.private.state_dict(step)
         folder = Path(self._get_output_dir(trial)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(folder / PRIVACY_RECORD, {"step": step, "plan": self.private.plan.as_dict(), **ledger})
+        atomic_write_json(folder / PRIVACY_RECORD, record)
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotated below, by step number
         try:
             super()._save_checkpoint(model, trial)
@@ -500,20 +496,8 @@ class DPTrainer(Trainer):
                 "cannot be checked against it; resume from a checkpoint this trainer saved"
             )
         record = json.loads(record_path.read_text(encoding="utf-8"))
-        check_resume_compatible(record["plan"], self.private.plan)
-        mechanism, step = self.private.mechanism, int(record["step"])
-        secret = load_mechanism_state(self.mechanism_state_path, step)
         try:
-            mechanism.ledger.verify(record.get("ledger_head"), record.get("ledger_length"), f"{checkpoint.name}/{PRIVACY_RECORD}")
-            if secret is not None:
-                mechanism.ledger.verify(secret.get("ledger_head"), secret.get("ledger_length"), run_folder.MECHANISM_STATE)
-        except LedgerIntegrityError as err:
-            raise UserError(f"DPTrainer: cannot continue output_dir={self.args.output_dir}: {err}") from None
-        if secret is not None:
-            mechanism.randomness.load_state_dict(secret["randomness"])
-            mechanism.sampler.load_state_dict(secret["sampler"])
-        else:
-            say(f"no mechanism state for step {step} in {run_folder.MECHANISM_STATE}: drawing fresh secret randomness; re-run steps are charged")
-            mechanism.redraw_fresh()
-        self.next_step = step + 1
-        say(f"resuming at step {self.next_step} of {self.private.plan.steps}, ε so far {self.epsilon_spent():.4f} (from the ledger)")
+            self.private.load_state_dict(record)
+        except UserError as err:
+            raise UserError(f"DPTrainer: cannot continue output_dir={self.args.output_dir} from {checkpoint.name}/{PRIVACY_RECORD}: {err}") from None
+        self.next_step = self.private.next_step

@@ -4,7 +4,7 @@ Model, optimizer (momentum buffers and their public noise variance) and schedule
 random streams (DP-MuonBC probes, torch's global RNG for dropout), the privacy plan and the
 config identity (a resume may never change the mechanism), and the head and length of the
 privacy ledger (a resume refuses a ledger that lost lines). The lot sampler's and the noise's
-states are secret and live in the mechanism state (mechanism_state.py); ε is not stored at all:
+states are secret and live in the mechanism state (privacy/state.py); ε is not stored at all:
 it is recomposed from the ledger's charged lines.
 
 A checkpoint is written atomically (temp file, fsync, rename: run_files.atomic_write) and
@@ -17,16 +17,14 @@ file.
 
 from __future__ import annotations
 
-import zipfile
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import run_folder
-from ..errors import UserError, one_line
-from .run_files import atomic_write
+from ..durable import atomic_write, load_verified
+from ..errors import UserError
 
 CHECKPOINT_FILE = run_folder.CHECKPOINT
 # What every checkpoint the loop writes holds; one without them was written by something else.
@@ -65,21 +63,3 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     if missing:
         raise UserError(f"cannot resume from {path}: it is no complete checkpoint (no {missing[0]!r} entry); {RESTORE_CHECKPOINT}")
     return state
-
-
-def load_verified(path: Path, remedy: str) -> Any:
-    """torch.load of a file this package saved, once every entry matches its recorded CRC-32;
-    otherwise one line naming the file, what is wrong with it and `remedy` (what to do)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()  # reads every entry: the name of the first that fails its CRC-32
-    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, zlib.error) as err:
-        raise UserError(f"cannot resume from {path}: the file is incomplete or damaged (not a whole torch archive: {one_line(err)}); {remedy}") from None
-    except OSError as err:
-        raise UserError(f"cannot resume from {path}: cannot read it ({err.strerror or one_line(err)}); {remedy}") from None
-    if damaged is not None:
-        raise UserError(f"cannot resume from {path}: the file is damaged (its entry {damaged} fails its checksum); {remedy}")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # an archive intact entry by entry that still does not unpickle
-        raise UserError(f"cannot resume from {path}: torch cannot load it ({type(err).__name__}: {one_line(err)}); {remedy}") from None

@@ -30,6 +30,7 @@ from ..config.schema import blamed_on, one_line
 from ..config.schema import validate as validate_config
 from ..data import DataError, load_tokenizer
 from ..diagnostics import OracleAlignment
+from ..durable import WriteFailed, atomic_write
 from ..errors import UserError
 from ..eval.curves import write_curves
 from ..eval.metrics import SCORE_KEYS, score
@@ -46,33 +47,31 @@ from ..optim import OptimizerInputs, build_optimizer
 from ..optim.schedules import build_scheduler
 from ..outcomes import NON_FINITE, Interrupted
 from ..privacy import (
-    LEDGER_FILE,
     MechanismRandomness,
     NonFiniteReleaseError,
-    PrivacyLedger,
     ReplayMismatchError,
-    ShuffleLotSampler,
 )
 from ..privacy.distributed import DataParallel, init_data_parallel
-from ..privacy.ledger import LedgerIntegrityError
 from ..privacy.mechanism import Mechanism, MechanismSettings, build_mechanism, check_plan_inputs
 from ..privacy.plan import PrivacyPlan, check_resume_compatible
 from ..privacy.randomness import PUBLISHED_SEED, USER_SEED
+from ..privacy.state import (
+    MECHANISM_STATE_FILE,
+    check_ledger_kept,
+    discard_mechanism_state,
+    ledger_record,
+    remove_left_temp_files,
+    restore_mechanism,
+    save_mechanism_state,
+    secret_state,
+    verify_ledger,
+)
 from .batching import lot_micro_batches
 from .checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_restore, rng_snapshot, save_checkpoint
 from .data import RunData, prepare_data
 from .evaluation import decode, token_nll
 from .loggers import NullLogger, build_logger
-from .mechanism_state import (
-    MECHANISM_STATE_FILE,
-    discard_mechanism_state,
-    has_saved_state,
-    load_mechanism_state,
-    remove_left_temp_files,
-    save_mechanism_state,
-    saved_mechanism_states,
-)
-from .run_files import MetricsLog, WriteFailed, atomic_write, atomic_write_json, code_version, command_line, freeze_times, repo_relative
+from .run_files import MetricsLog, atomic_write_json, code_version, command_line, freeze_times, repo_relative
 from .run_identity import check_same_run, config_identity, run_dir_claimed
 from .runtime import StopRequest, autocast_factory, log, resolve_device, resolve_precision
 from .secret import record_seed_use, user_mechanism_secret
@@ -326,7 +325,7 @@ def resume(t: Training) -> None:
     t.last_step = t.start_step
     saved = None
     if t.private:
-        saved = restore_mechanism(t.mechanism, t.mechanism_state_path, t.start_step)
+        saved = restore_mechanism(t.mechanism, t.mechanism_state_path, t.start_step, log)
         if saved is not None and saved.get("data_fingerprint", t.data.train_source) != t.data.train_source:
             raise UserError(
                 f"cannot resume {t.run_dir}: its training examples differ from the ones this run started on "
@@ -354,10 +353,10 @@ def resume(t: Training) -> None:
 def save_mechanism(t: Training, step: int) -> None:
     # The examples' content hash checks that a resume trains on the same data; it is owner-only
     # here, since a hash of the private set is a membership oracle (training/data.py).
-    state = {"randomness": t.mechanism.randomness.state_dict(), "sampler": t.mechanism.sampler.state_dict(), "data_fingerprint": t.data.train_source}
+    state = {**secret_state(t.mechanism), "data_fingerprint": t.data.train_source}
     if t.oracle is not None:  # the noise-free mirrors are as secret as the noise
         state["oracle"] = t.oracle.state_dict()
-    save_mechanism_state(t.mechanism_state_path, step, {**state, **ledger_record(t.mechanism.ledger)})
+    save_mechanism_state(t.mechanism_state_path, step, state)
 
 
 def restore_oracle(oracle: OracleAlignment, saved: dict | None, step: int) -> None:
@@ -413,25 +412,6 @@ def restore_weights(t: Training, state: dict[str, Any]) -> None:
     if set(state["model"]) != set(t.named):
         raise UserError(f"cannot resume {t.run_dir}: {CHECKPOINT_FILE} holds other trained weights than this model's adapters")
     t.model.load_state_dict(state["model"], strict=False)
-
-
-def ledger_record(ledger: PrivacyLedger | None) -> dict[str, Any]:
-    """What a checkpoint or mechanism state records of the ledger: a resume checks it is still there."""
-    return {} if ledger is None else {"ledger_head": ledger.head, "ledger_length": ledger.length}
-
-
-def verify_ledger(ledger: PrivacyLedger | None, saved: dict[str, Any], saved_in: str) -> None:
-    """Refuse to continue unless the ledger still holds every line `saved_in` recorded, unchanged.
-
-    Without that, a resume would compose ε from whatever file is there: a deleted, truncated,
-    edited or swapped ledger would forget releases the run made.
-    """
-    if ledger is None:  # non-private, or a rank > 0 (rank 0 holds the ledger and checks it)
-        return
-    try:
-        ledger.verify(saved.get("ledger_head"), saved.get("ledger_length"), saved_in)
-    except LedgerIntegrityError as err:
-        raise UserError(f"cannot continue this run directory: {err}") from None
 
 
 # ---- training ----------------------------------------------------------------------------------
@@ -684,64 +664,6 @@ def spent_without_checkpoint(t: Training) -> str:
         f"weights they trained, so the resumed run would report the initial weights; restore {CHECKPOINT_FILE} from a copy, "
         "or start a new run in a new directory (these releases stay spent)"
     )
-
-
-def check_ledger_kept(run_dir: Path) -> None:
-    """Never start a new ledger under a run that released: its releases would be lost to ε."""
-    path = run_dir / LEDGER_FILE
-    if has_saved_state(run_dir) and not (path.is_file() and path.stat().st_size):
-        raise UserError(missing_ledger(run_dir))
-
-
-def missing_ledger(run_dir: Path) -> str:
-    """Why a run with a checkpoint or mechanism state but no ledger is not continued."""
-    if (run_dir / CHECKPOINT_FILE).exists():
-        saved_in, lengths = CHECKPOINT_FILE, [(load_checkpoint(run_dir / CHECKPOINT_FILE) or {}).get("ledger_length")]
-    else:
-        saved_in = MECHANISM_STATE_FILE
-        lengths = [state.get("ledger_length") for state in saved_mechanism_states(run_dir / MECHANISM_STATE_FILE).values()]
-    recorded = max((n for n in lengths if isinstance(n, int)), default=None)
-    records = "exists" if recorded is None else f"records {recorded} lines"
-    return (
-        f"{LEDGER_FILE} is missing but {saved_in} {records}: the ledger was deleted; the run's ε cannot be recovered — "
-        f"its releases are lost to the accounting. Start a new run in a new directory (not {run_dir}), and count this "
-        "run's releases against its data by hand"
-    )
-
-
-def restore_mechanism(mechanism: Mechanism, path: Path, step: int) -> dict | None:
-    """Continue the mechanism's secret draws from `step`, or start fresh ones if they are gone;
-    return the saved state restored (None: there was none).
-
-    With the saved state, re-run steps replay their lots and noise (an identical output is
-    free). Without it, nothing may be replayed: new secret draws, and every re-run step is a
-    new, charged release.
-    """
-    randomness, sampler, ledger, parallel = mechanism.randomness, mechanism.sampler, mechanism.ledger, mechanism.parallel
-
-    def load_verified() -> dict | None:
-        saved = load_mechanism_state(path, step)
-        if saved is not None:
-            verify_ledger(ledger, saved, path.name)
-        return saved
-
-    saved = parallel.on_main(load_verified)
-    if saved is not None:
-        if set(saved["sampler"]) != set(sampler.state_dict()):  # saved by the other lot sampler
-            kind = "shuffle" if isinstance(sampler, ShuffleLotSampler) else "poisson"
-            raise UserError(
-                f"cannot resume from {path}: its lot-sampler state was saved under another privacy.sampling than this "
-                f"config's {kind}; resume with the sampling the run started with"
-            )
-        randomness.load_state_dict(saved["randomness"])
-        sampler.load_state_dict(saved["sampler"])
-        return saved
-    resuming = step > 0 or (ledger is not None and ledger.releases)
-    if resuming:
-        if not randomness.secure:
-            log(f"no mechanism state for step {step} in {path.name}: drawing fresh secret randomness; re-run steps are charged")
-        mechanism.redraw_fresh()
-    return None
 
 
 def build_oracle(cfg: DictConfig, muon, names: dict, release, parallel: DataParallel) -> OracleAlignment | None:
