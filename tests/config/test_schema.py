@@ -73,6 +73,7 @@ def test_options_lists_every_option_with_type_default_and_help(monkeypatch, caps
     assert re.search(r"optimizer\.schedule\s+constant \| linear \| cosine\s+constant\s", lines["optimizer.schedule"])
     # grouped as conf/ is: a group's header names its options and default, per-option values follow
     assert "[optimizer]  optimizer=  adam | dp_adam | dp_muon | dp_muonbc | dp_sgd | muon  (default dp_adam; conf/optimizer/)" in text
-    assert "[privacy]  privacy=  flat | per_matrix  (default per_matrix; conf/privacy/)" in text  # its YAMLs have no name key
+    # its YAMLs have no name key; its options are one class's
+    assert "[privacy]  privacy=  flat | per_matrix  (default per_matrix; conf/privacy/; declared by dpmuon.privacy.settings.PrivacySettings)" in text
     assert "per option: dp_muon 0.95, dp_muonbc 0.95, dp_sgd 0.0, muon 0.95" in text
     assert text.index("[data]") < text.index("data.root") < text.index("[dataset]")

@@ -124,3 +124,21 @@ def test_group_references_keeps_first_appearance_and_file_order() -> None:
         EvalItem("a", ("a1", "")),
     ]
     assert group_references([]) == []
+
+
+def test_each_dataset_module_parses_exactly_the_formats_the_layout_locates():
+    """Two tables, each said once: where a format's files are (layout) and how it is parsed (the
+    dataset module's READERS, whose keys are also its settings' `format` choices)."""
+    from dpmuon.data import dart, e2e
+    from dpmuon.data.layout import FORMATS
+
+    for module, settings, name in ((e2e, e2e.E2ESettings, "e2e"), (dart, dart.DARTSettings, "dart")):
+        assert tuple(module.READERS) == FORMATS[name]
+        assert next(o for o in declared(settings) if o.key.endswith(".format")).choices == FORMATS[name]
+        assert settings().format == FORMATS[name][0]  # the default format is the layout's first
+
+
+def declared(cls):
+    from dpmuon.settings import declared_options
+
+    return declared_options("dataset", cls)

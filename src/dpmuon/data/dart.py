@@ -16,22 +16,6 @@ from dpmuon.data.textio import open_text
 from dpmuon.settings import option, settings
 
 
-@settings("dataset")
-@dataclass(kw_only=True)
-class DARTSettings(DatasetSettings):
-    """DART (data/layout.py: under <data root>/dart/), with the recipe's δ."""
-
-    name: str = option("dart", "the private set's name (run folders, the ledger, tables)")
-    format: str = option("json", "file format read (E2E: prefix or csv; DART: json)", choices=("json",))
-    max_length: int = option(120, "drop training sequences longer than this many tokens", ge=1)
-    # e.g. [e2e] keeps DART disjoint from E2E; every split of the run is filtered the same way.
-    exclude_origins: list = option(factory=list, help="drop examples of these annotation origins (DART's sources, e.g. [e2e])")
-    delta: float = option(1.0e-5, "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1)
-
-    def reader(self, data_root: Path, tokenizer, progress: bool = True) -> FileReader:
-        return FileReader("dart", self.format, data_root, tuple(self.exclude_origins), tokenizer)
-
-
 def linearize_tripleset(tripleset: Sequence[Sequence[str]]) -> str:
     """Join triples as `subject : relation : object | subject : relation : object`.
 
@@ -89,3 +73,23 @@ def _examples_from_item(path: Path, index: int, item: Any) -> list[Example]:
         origin = annotation.get("source", "")
         examples.append(Example(source=source, target=annotation["text"].strip(), origin=origin if isinstance(origin, str) else ""))
     return examples
+
+
+# The formats DART is read in (data/layout.py: where each one's files are).
+READERS = {"json": read_dart_json}
+
+
+@settings("dataset")
+@dataclass(kw_only=True)
+class DARTSettings(DatasetSettings):
+    """DART (data/layout.py: under <data root>/dart/), with the recipe's δ."""
+
+    name: str = option("dart", "the private set's name (run folders, the ledger, tables)")
+    format: str = option("json", "file format read (E2E: prefix or csv; DART: json)", choices=tuple(READERS))
+    max_length: int = option(120, "drop training sequences longer than this many tokens", ge=1)
+    # e.g. [e2e] keeps DART disjoint from E2E; every split of the run is filtered the same way.
+    exclude_origins: list = option(factory=list, help="drop examples of these annotation origins (DART's sources, e.g. [e2e])")
+    delta: float = option(1.0e-5, "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1)
+
+    def reader(self, data_root: Path, tokenizer, progress: bool = True) -> FileReader:
+        return FileReader("dart", self.format, READERS[self.format], data_root, tuple(self.exclude_origins), tokenizer)

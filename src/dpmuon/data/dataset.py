@@ -8,11 +8,12 @@ with `@settings("dataset")`, whose `reader()` returns something with `examples(s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from dpmuon.data.layout import locate_split
 from dpmuon.data.records import Example
 from dpmuon.settings import Settings, option, settings
 
@@ -41,22 +42,24 @@ class DatasetSettings(Settings):
 
 @dataclass
 class FileReader:
-    """A dataset of the standard layout under the data root (data/layout.py), read by
-    `load_examples` and encoded by `encode_for_training`."""
+    """A dataset of the standard layout under the data root (data/layout.py): `read` parses one
+    split's file (its dataset module's READERS entry for the format); `encode_for_training`
+    encodes the examples."""
 
     dataset: str
     fmt: str
+    read: Callable[[Path], list[Example]]
     root: Path
-    exclude_origins: tuple[str, ...]
-    tokenizer: Any
+    exclude_origins: tuple[str, ...] = ()
+    tokenizer: Any = None
 
     def examples(self, split: str) -> list[Example]:
-        from dpmuon.data.loading import load_examples
-
-        return load_examples(self.dataset, split, self.root, self.fmt, exclude_origins=self.exclude_origins)
+        examples = self.read(locate_split(self.dataset, split, self.root, self.fmt))
+        excluded = set(self.exclude_origins)
+        return [e for e in examples if e.origin not in excluded] if excluded else examples
 
     def encode(self, examples: Sequence[Example], max_length: int) -> tuple[list[Any], int]:
-        from dpmuon.data.encoding import encode_for_training
+        from dpmuon.data.encoding import encode_for_training  # here: reading the options needs no tokenizer library
 
         return encode_for_training(examples, self.tokenizer, max_length)
 

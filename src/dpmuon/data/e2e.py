@@ -22,21 +22,6 @@ from dpmuon.data.records import Example
 from dpmuon.data.textio import open_text
 from dpmuon.settings import option, settings
 
-
-@settings("dataset")
-@dataclass(kw_only=True)
-class E2ESettings(DatasetSettings):
-    """E2E (data/layout.py: under <data root>/e2e/), with the recipe's δ. Formats: `prefix`, the
-    Prefix-Tuning text files (prior DP work's), or `csv`, the original mr,ref release."""
-
-    name: str = option("e2e", "the private set's name (run folders, the ledger, tables)")
-    format: str = option("prefix", "file format read (E2E: prefix or csv; DART: json)", choices=("prefix", "csv"))
-    delta: float = option(8.0e-6, "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1)
-
-    def reader(self, data_root: Path, tokenizer, progress: bool = True) -> FileReader:
-        return FileReader("e2e", self.format, data_root, (), tokenizer)
-
-
 CSV_COLUMNS = ("mr", "ref")
 
 # The attribute names the Prefix-Tuning format uses, keyed by the names in the original
@@ -168,3 +153,21 @@ def read_e2e_prefix(path: str | PathLike[str]) -> list[Example]:
     if not examples:
         raise DataError.in_file(path, "the file is empty; expected lines `source||target`")
     return examples
+
+
+# The formats E2E is read in (data/layout.py: where each one's files are); the first is the default.
+READERS = {"prefix": read_e2e_prefix, "csv": read_e2e_csv}
+
+
+@settings("dataset")
+@dataclass(kw_only=True)
+class E2ESettings(DatasetSettings):
+    """E2E (data/layout.py: under <data root>/e2e/), with the recipe's δ. Formats: `prefix`, the
+    Prefix-Tuning text files (prior DP work's), or `csv`, the original mr,ref release."""
+
+    name: str = option("e2e", "the private set's name (run folders, the ledger, tables)")
+    format: str = option("prefix", "file format read (E2E: prefix or csv; DART: json)", choices=tuple(READERS))
+    delta: float = option(8.0e-6, "δ of the recipe (privacy.delta defaults to it); must be < 1/N", gt=0, lt=1)
+
+    def reader(self, data_root: Path, tokenizer, progress: bool = True) -> FileReader:
+        return FileReader("e2e", self.format, READERS[self.format], data_root, tokenizer=tokenizer)

@@ -19,10 +19,6 @@ from dpmuon.paths import REPO_ROOT, in_checkout
 DATASETS = ("e2e", "dart")
 SPLITS = ("train", "valid", "test")
 
-# The first format of each dataset is its default. E2E defaults to the Prefix-Tuning format:
-# prior DP work trained and evaluated on it, and its train split is the one commonly at hand.
-FORMATS = {"e2e": ("prefix", "csv"), "dart": ("json",)}
-
 DATA_DIR_VARIABLE = "DPMUON_DATA_DIR"
 
 # Candidate file names, in order of preference, relative to <root>/<dataset>/.
@@ -41,6 +37,11 @@ _FILE_NAMES: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
         "test": ("dart-v1.1.1-full-test.json",),
     },
 }
+
+# Each dataset's formats, from the table above; the first is its default. E2E defaults to the
+# Prefix-Tuning format: prior DP work trained and evaluated on it, and its train split is the one
+# commonly at hand. (The dataset modules' READERS parse each format: tests check they agree.)
+FORMATS = {dataset: tuple(fmt for known, fmt in _FILE_NAMES if known == dataset) for dataset in DATASETS}
 
 FETCH_HINT = (
     "Run `make data` to download the raw data, or "

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from os import PathLike
 from pathlib import Path
 
-from dpmuon.data.dart import read_dart_json
-from dpmuon.data.e2e import read_e2e_csv, read_e2e_prefix
-from dpmuon.data.layout import default_data_root, locate_split, resolve_format
+from dpmuon.data import dart, e2e
+from dpmuon.data.dataset import FileReader
+from dpmuon.data.layout import default_data_root, resolve_format
 from dpmuon.data.records import Example
 
-_READERS: dict[tuple[str, str], Callable[[Path], list[Example]]] = {
-    ("e2e", "prefix"): read_e2e_prefix,
-    ("e2e", "csv"): read_e2e_csv,
-    ("dart", "json"): read_dart_json,
-}
+READERS = {"e2e": e2e.READERS, "dart": dart.READERS}  # each dataset module's formats and their parsers
 
 
 def load_examples(
@@ -33,7 +29,5 @@ def load_examples(
     unknown names, missing or bad files.
     """
     fmt = resolve_format(dataset, fmt)
-    path = locate_split(dataset, split, default_data_root() if root is None else root, fmt)
-    examples = _READERS[dataset, fmt](path)
-    excluded = set(exclude_origins)
-    return [e for e in examples if e.origin not in excluded] if excluded else examples
+    root = default_data_root() if root is None else Path(root)
+    return FileReader(dataset, fmt, READERS[dataset][fmt], root, tuple(exclude_origins)).examples(split)
