@@ -8,6 +8,7 @@ argument; a resume verifies and continues the ledger, replaying the steps after 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -417,3 +418,32 @@ def test_a_collator_padding_to_each_batchs_longest_example_is_refused_and_a_hand
     with pytest.raises(UserError, match=r"^release\(\): lot 1 was not drawn"):
         t.training_step(t.model, Lot(1, list(lot.indices), lot.micro_batch_size, lot.micro_batches))
     t.training_step(t.model, lot)
+
+
+def test_dp_training_arguments_carry_the_privacy_options_declared_once(tmp_path):
+    """DPTrainingArguments are TrainingArguments plus PrivacySettings' options (same defaults, help
+    and checks; the guarantee and its lot required): the Trainer built from them plans as privacy=
+    does, HfArgumentParser reads them from a command line, and giving the options twice is refused."""
+    from transformers import HfArgumentParser
+
+    from dpmuon.integrations.hf import DPTrainingArguments
+    from dpmuon.privacy.settings import PrivacySettings
+
+    settings = vars(arguments(tmp_path / "a"))
+    args = DPTrainingArguments(**{k: v for k, v in settings.items() if k in {f.name for f in dataclasses.fields(TrainingArguments) if f.init}}, **PRIVACY)
+    built = DPTrainer(model=tiny_model(), args=args, train_dataset=counting(N, seed=1), data_collator=collate, optimizer="dp_adam")
+    assert built.private.plan.as_dict() == trainer(tmp_path / "b").private.plan.as_dict()
+    help_of = {f.name: f.metadata.get("help") for f in dataclasses.fields(DPTrainingArguments)}
+    assert help_of["clip_norm"] == next(f.metadata["help"] for f in dataclasses.fields(PrivacySettings) if f.name == "clip_norm")
+    (parsed,) = HfArgumentParser(DPTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path / "c"), "--target_epsilon", "4", "--delta", "1e-5", "--expected_lot_size", "32", "--no_constant_time"]
+    )
+    assert (parsed.target_epsilon, parsed.constant_time, parsed.clip_norm) == (4.0, False, 0.1)
+    with pytest.raises(TypeError, match="expected_lot_size"):  # stated, never defaulted
+        DPTrainingArguments(output_dir=str(tmp_path / "d"), target_epsilon=8.0, delta=1e-5)
+    with pytest.raises(UserError, match=r"^DPTrainer: privacy= and DPTrainingArguments both give the privacy options"):
+        DPTrainer(model=tiny_model(), args=args, train_dataset=counting(N, seed=1), data_collator=collate, privacy=PRIVACY)
+    with pytest.raises(UserError, match=r"^DPTrainer: no privacy options: use args=DPTrainingArguments"):
+        DPTrainer(model=tiny_model(), args=arguments(tmp_path / "e"), train_dataset=counting(N, seed=1), data_collator=collate)
+    with pytest.raises(UserError, match=r"^privacy\.clip_norm=-1\.0: must be > 0"):  # the command line's message
+        DPTrainer(model=tiny_model(), args=dataclasses.replace(args, clip_norm=-1.0), train_dataset=counting(N, seed=1), data_collator=collate)

@@ -38,11 +38,13 @@ guarantee, as the driver's private validation NLL is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
 import shutil
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -56,10 +58,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_l
 
 from .. import run_folder
 from ..errors import UserError
-from ..facade import Lot, PrivateTraining, make_private, make_private_keywords, say
+from ..facade import STATED, Lot, PrivateTraining, make_private, make_private_keywords, privacy_keywords, say
 from ..models import per_example_lm_loss
 from ..optim import build as build_optimizer
 from ..privacy.privatizer import ReleaseStats, ReplayMismatchError
+from ..privacy.settings import PrivacySettings
 from ..privacy.state import discard_mechanism_state
 from ..training.run_files import atomic_write_json, freeze_times
 
@@ -72,6 +75,36 @@ FROM_TRAINING_ARGUMENTS = {
     "micro_batch_size": "per_device_train_batch_size",
     "run_dir": "output_dir",
 }
+
+
+def _privacy_arguments() -> list[tuple[str, Any, dataclasses.Field]]:
+    """PrivacySettings' options as TrainingArguments fields (those make_private takes), with their
+    defaults and help: declared once, in dpmuon.privacy.settings. The guarantee and its lot
+    (target_epsilon, delta, expected_lot_size) have no default here either: they are stated."""
+    hints = typing.get_type_hints(PrivacySettings)
+    fields = []
+    for f in dataclasses.fields(PrivacySettings):
+        if f.name not in privacy_keywords():
+            continue
+        stated = f.name in STATED or f.default is dataclasses.MISSING
+        given = {} if stated else {"default": f.default}
+        fields.append((f.name, hints[f.name], dataclasses.field(**given, metadata={"help": f.metadata["help"]})))
+    return fields
+
+
+DPTrainingArguments = dataclasses.make_dataclass(
+    "DPTrainingArguments",
+    _privacy_arguments(),
+    bases=(TrainingArguments,),
+    kw_only=True,
+    namespace={
+        "__doc__": "TrainingArguments with the private release's options (dpmuon.privacy.settings.PrivacySettings: "
+        "the driver's privacy.* keys, same defaults and checks); HfArgumentParser reads them like any other.",
+        "privacy_settings": lambda self: {name: getattr(self, name) for name, _, _ in _privacy_arguments()},
+    },
+)
+DPTrainingArguments.__module__ = __name__
+
 # Trainer methods the integration replaces: a subclass's own version would be bypassed or bypass the release.
 REPLACED_METHODS = ("get_train_dataloader", "_get_train_sampler", "training_step", "compute_loss", "create_optimizer")
 NONPRIVATE_LOGS = ("loss", "train_loss")  # means of the raw lots' per-example losses
@@ -145,6 +178,20 @@ def refuse_unsafe_arguments(args: TrainingArguments) -> None:
     for refused, reason in refusals:
         if refused:
             raise UserError(f"DPTrainer: {reason}")
+
+
+def privacy_options(args: TrainingArguments | None, privacy: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The privacy options, from DPTrainingArguments' fields or `privacy=` (said once, not both)."""
+    if isinstance(args, DPTrainingArguments):
+        if privacy is not None:
+            raise UserError("DPTrainer: privacy= and DPTrainingArguments both give the privacy options; give them once (DPTrainingArguments' fields)")
+        return args.privacy_settings()
+    if privacy is None and args is not None:
+        raise UserError(
+            "DPTrainer: no privacy options: use args=DPTrainingArguments(output_dir=..., target_epsilon=..., delta=..., expected_lot_size=...) "
+            "(or privacy=dict(target_epsilon=..., ...) beside TrainingArguments)"
+        )
+    return privacy or {}
 
 
 def refuse_unsafe_setup(cls: type, args: TrainingArguments | None, train_dataset: Any, privacy: Mapping[str, Any], trainer_kwargs: Mapping) -> None:
@@ -230,9 +277,10 @@ class PoissonLots:
 class DPTrainer(Trainer):
     """`transformers.Trainer` whose steps are dpmuon's private releases (see the module's docstring).
 
-    `privacy`: `dpmuon.make_private`'s settings (target_epsilon, delta, expected_lot_size, clip_norm, clip_mode,
-    noise_multiplier, accountant, …) except those TrainingArguments give (epochs, steps, micro_batch_size,
-    run_dir). `loss_fn(model, batch)` returns the per-example losses [B] (default: the causal-LM loss over
+    The privacy options (target_epsilon, delta, expected_lot_size, clip_norm, clip_mode, noise_multiplier,
+    accountant, …: `dpmuon.privacy.settings.PrivacySettings`) are fields of `args=DPTrainingArguments(...)`, or
+    `privacy=dict(...)` beside plain TrainingArguments — except those TrainingArguments give (epochs, steps,
+    micro_batch_size, run_dir). `loss_fn(model, batch)` returns the per-example losses [B] (default: the causal-LM loss over
     `labels` ≠ -100, as the driver's: the collator gives input_ids, attention_mask and labels, e.g.
     DataCollatorForLanguageModeling(tokenizer, mlm=False)). The mechanism is `trainer.private` (a `PrivateTraining`).
     TrainingArguments are adjusted in place: max_grad_norm 1.0 → 0 (said), ignore_data_skip → True, and, unless
@@ -249,7 +297,7 @@ class DPTrainer(Trainer):
         train_dataset: Any = None,
         eval_dataset: Any = None,
         *,
-        privacy: Mapping[str, Any],
+        privacy: Mapping[str, Any] | None = None,
         optimizer: str = "dp_muon",
         optimizer_kwargs: Mapping[str, Any] | None = None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] = per_example_lm_loss,
@@ -257,6 +305,7 @@ class DPTrainer(Trainer):
         publish_timing: bool = False,
         **trainer_kwargs: Any,
     ):
+        privacy = privacy_options(args, privacy)
         refuse_unsafe_setup(type(self), args, train_dataset, privacy, trainer_kwargs)
         refuse_unsafe_arguments(args)
         if args.max_grad_norm:  # the default 1.0 is on in every TrainingArguments: not a choice to refuse
