@@ -104,3 +104,41 @@ def test_their_own_options_are_checked_in_one_line(config_dir, override, message
     cfg = compose_config(*SMOKE, "optimizer=dp_scaled_sgd", "optimizer.lr=0.5", "dataset=counting", override, config_dir=config_dir)
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+
+
+def test_a_new_optimizer_trains_through_optim_build_and_dp_trainer_by_its_class(tmp_path):
+    """No list to extend: `dpmuon.optim.build` and `DPTrainer(optimizer=...)` take the settings class
+    itself, and the Trainer's rate and weight decay reach its options."""
+    import dpmuon
+    from dpmuon.integrations.hf import DPTrainer, DPTrainingArguments
+    from dpmuon.models import Shape, build_random_lm, per_example_lm_loss
+
+    def model():
+        return build_random_lm("gpt2", Shape(16, n_layer=1, n_embd=16, n_head=2, n_positions=8), seed=0)
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 16, (8,), generator=g)} for _ in range(64)]
+
+    def collate(batch):
+        ids = torch.stack([r["input_ids"] for r in batch])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    privacy = dict(target_epsilon=50.0, delta=1e-3, expected_lot_size=16, noise_multiplier=0.6, accountant="rdp")
+    net = model()
+    private = dpmuon.make_private(net, rows, collate, per_example_lm_loss, run_dir=tmp_path / "facade", steps=2, micro_batch_size=8, **privacy)
+    optimizer = dpmuon.optim.build(ScaledSGDSettings, net, private, lr=0.4, scale=0.5)
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    for lot in private.lots():
+        private.release(lot)
+        optimizer.step()
+    assert any(not torch.equal(p, before[n]) for n, p in net.named_parameters())
+
+    args = DPTrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=2, learning_rate=0.4, weight_decay=0.01, per_device_train_batch_size=8,
+        report_to=[], disable_tqdm=True, use_cpu=True, max_grad_norm=0.0, save_strategy="no", lr_scheduler_type="constant", **privacy,
+    )  # fmt: skip
+    trainer = DPTrainer(model=model(), args=args, train_dataset=rows, data_collator=collate, optimizer=ScaledSGDSettings)
+    trainer.train()
+    group = trainer.optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], trainer.state.global_step) == (pytest.approx(0.4), 0.01, 2)

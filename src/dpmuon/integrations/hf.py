@@ -1,10 +1,10 @@
 """A Hugging Face `Trainer` whose every step is one private release of dpmuon's mechanism.
 
-    from dpmuon.integrations.hf import DPTrainer
-    args = TrainingArguments(output_dir="runs/hf", learning_rate=2e-3, num_train_epochs=3, per_device_train_batch_size=16,
-                             max_grad_norm=0, logging_steps=10, save_steps=100, eval_strategy="steps", report_to="none")
-    trainer = DPTrainer(model=model, args=args, train_dataset=train, eval_dataset=valid, data_collator=collate,
-                        privacy=dict(target_epsilon=8.0, delta=1e-5, expected_lot_size=256, clip_norm=0.1), optimizer="dp_muon")
+    from dpmuon.integrations.hf import DPTrainer, DPTrainingArguments
+    args = DPTrainingArguments(output_dir="runs/hf", learning_rate=2e-3, num_train_epochs=3, per_device_train_batch_size=16,
+                               max_grad_norm=0, logging_steps=10, save_steps=100, eval_strategy="steps", report_to="none",
+                               target_epsilon=8.0, delta=1e-5, expected_lot_size=256, clip_norm=0.1)
+    trainer = DPTrainer(model=model, args=args, train_dataset=train, eval_dataset=valid, data_collator=collate, optimizer="dp_muon")
     trainer.train()
 
 The mechanism is the façade's (`dpmuon.make_private`, facade.py), run dir = `output_dir`. What changes in the Trainer:
@@ -61,6 +61,7 @@ from ..errors import UserError
 from ..facade import STATED, Lot, PrivateTraining, make_private, make_private_keywords, privacy_keywords, say
 from ..models import per_example_lm_loss
 from ..optim import build as build_optimizer
+from ..optim.for_release import settings_class
 from ..privacy.privatizer import ReleaseStats, ReplayMismatchError
 from ..privacy.settings import PrivacySettings
 from ..privacy.state import discard_mechanism_state
@@ -178,6 +179,20 @@ def refuse_unsafe_arguments(args: TrainingArguments) -> None:
     for refused, reason in refusals:
         if refused:
             raise UserError(f"DPTrainer: {reason}")
+
+
+def trainer_hyperparameters(cls: type, args: TrainingArguments) -> dict[str, Any]:
+    """TrainingArguments' rate, weight decay and Adam settings as the options of the optimizer's
+    settings class: Adam's at the top where the class has them (DP-Adam), in its `adam` part where
+    it has one (the Muon family: the non-matrix tensors' Adam)."""
+    adam = {"betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}
+    options = {f.name for f in dataclasses.fields(cls)}
+    hyper: dict[str, Any] = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
+    if adam.keys() <= options:
+        hyper |= adam
+    elif "adam" in options:
+        hyper["adam"] = {**adam, "weight_decay": args.weight_decay}
+    return hyper
 
 
 def privacy_options(args: TrainingArguments | None, privacy: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -298,7 +313,7 @@ class DPTrainer(Trainer):
         eval_dataset: Any = None,
         *,
         privacy: Mapping[str, Any] | None = None,
-        optimizer: str = "dp_muon",
+        optimizer: str | type = "dp_muon",
         optimizer_kwargs: Mapping[str, Any] | None = None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] = per_example_lm_loss,
         log_nonprivate_train_loss: bool = False,
@@ -415,14 +430,8 @@ class DPTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             args = self.args
-            adam = {"betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon}
-            hyper: dict[str, Any] = {"lr": args.learning_rate, "weight_decay": args.weight_decay}
-            if self.optimizer_name == "dp_adam":
-                hyper.update(adam)
-            elif self.optimizer_name in ("dp_muon", "dp_muonbc"):
-                hyper["adam"] = {**adam, "weight_decay": args.weight_decay}
-            hyper.update(self.optimizer_kwargs)
             try:
+                hyper = {**trainer_hyperparameters(settings_class(self.optimizer_name), args), **self.optimizer_kwargs}
                 self.optimizer = build_optimizer(self.optimizer_name, self.model, self.private, **hyper)
             except (ValueError, TypeError) as err:  # an unknown or bad hyperparameter
                 raise UserError(f"DPTrainer: optimizer={self.optimizer_name!r}: {err}") from None
