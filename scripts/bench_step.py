@@ -417,15 +417,22 @@ def phase_seconds(runner: Runner, batches) -> dict[str, float]:
     out = {phase: inside.get(phase, 0.0) for phase in PHASES}
     out["other release"] = max(0.0, release_s - sum(out.values()))
     out["optimizer"] = optimizer_s
+    # Inside `norms`: each module type's share (the engine names them dpmuon.norms/<type><weight shape>).
+    out["norms by module"] = {key.removeprefix("norms/"): s for key, s in sorted(inside.items(), key=lambda kv: -kv[1]) if key.startswith("norms/")}
     return out
 
 
-def print_phases(phases: dict[Config, dict[str, float]]) -> None:
+def print_phases(phases: dict[Config, dict[str, Any]]) -> None:
     names = [*PHASES, "other release", "optimizer"]
     print(f"{'configuration':34} " + " ".join(f"{n:>13}" for n in names))
     for config, seconds in phases.items():
-        total = sum(seconds.values())
+        total = sum(seconds[n] for n in names)
         print(f"{config.label:34} " + " ".join(f"{seconds[n]:6.2f}s {100 * seconds[n] / total:4.0f}%" for n in names))
+    print("\nper-example norms by module (share of the norms phase):")
+    for config, seconds in phases.items():
+        parts = seconds["norms by module"]
+        shown = ", ".join(f"{name} {100 * s / max(seconds['norms'], 1e-12):.0f}%" for name, s in list(parts.items())[:4])
+        print(f"  {config.label:32} {shown}")
 
 
 def print_table(rows: list[dict[str, Any]], memory_label: str) -> None:

@@ -259,12 +259,15 @@ class FastEngine(PerExampleEngine):
         # Float64 sums: a tied weight's parts and their cross term may cancel.
         squared = {name: torch.zeros(size, dtype=torch.float64, device=device) for name in self.params}
         for module, trace in traces.items():
-            for name, values in self.layers[module].squared_norms(trace).items():
-                squared[name] += values
+            # Named per module type (and shape) for the bench's breakdown (scripts/bench_step.py --phases).
+            with record_function(f"dpmuon.norms/{type(module).__name__}{tuple(module.weight.shape) if hasattr(module, 'weight') else ''}"):
+                for name, values in self.layers[module].squared_norms(trace).items():
+                    squared[name] += values
         for tie in self.tied:
             if tie.head in traces and tie.embedding in traces:
                 head, embedding = traces[tie.head], traces[tie.embedding]
-                squared[tie.name] += 2 * tied_cross_term(head.inputs, head.grads, embedding.inputs, embedding.grads)
+                with record_function("dpmuon.norms/tied head cross term"):
+                    squared[tie.name] += 2 * tied_cross_term(head.inputs, head.grads, embedding.inputs, embedding.grads)
         return squared
 
     def clipped_sum(self, batch, loss_fn):
