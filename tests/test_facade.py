@@ -449,6 +449,9 @@ def test_a_deleted_or_shortened_ledger_is_not_continued(tmp_path):
     ledger.unlink()
     with pytest.raises(UserError, match=r"privacy_ledger\.jsonl is missing but mechanism_state\.pt records 3 lines: the ledger was deleted"):
         make(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "checkpoint.pt").write_bytes(b"the user's own file")  # the driver's name, but not the façade's
+    assert make(tmp_path, name="mine").mechanism.ledger.length == 1  # a new run: the ledger's header
 
 
 def test_state_dict_refuses_a_lot_drawn_and_not_released(tmp_path):
@@ -456,3 +459,22 @@ def test_state_dict_refuses_a_lot_drawn_and_not_released(tmp_path):
     private.draw_lot()
     with pytest.raises(UserError, match=r"^state_dict\(\): lot 1 was drawn and not released"):
         private.state_dict()
+
+
+def test_the_secret_state_is_deleted_once_the_plans_last_step_is_released(tmp_path):
+    """As the driver's: the generator states regenerate the lots and noise, so they are kept only
+    while a step is left to replay — a replay after load_state_dict keeps them until its end."""
+    private = make(tmp_path)
+    private.release(private.draw_lot())
+    record = private.state_dict()
+    state = tmp_path / "run" / "mechanism_state.pt"
+    assert state.exists()
+    for lot in private.lots():
+        private.release(lot)
+    assert not state.exists() and private.plan_done
+    private.state_dict()
+    assert not state.exists()  # nothing left to replay: nothing secret written
+
+    again = make(tmp_path)  # a replay of steps 2 and 3 from the record: the state is gone, so fresh draws
+    again.load_state_dict(record)
+    assert not again.plan_done

@@ -43,7 +43,16 @@ from .privacy.privatizer import ReleaseStats
 from .privacy.randomness import USER_SEED
 from .privacy.seed import user_seed
 from .privacy.settings import PrivacySettings
-from .privacy.state import MECHANISM_STATE_FILE, check_ledger_kept, ledger_record, restore_mechanism, save_mechanism_state, secret_state, verify_ledger
+from .privacy.state import (
+    MECHANISM_STATE_FILE,
+    check_ledger_kept,
+    discard_mechanism_state,
+    ledger_record,
+    restore_mechanism,
+    save_mechanism_state,
+    secret_state,
+    verify_ledger,
+)
 
 # The example whose rows fill a constant-time micro-batch up (any would do: filler rows add nothing).
 FILLER_EXAMPLE = 0
@@ -210,7 +219,16 @@ class PrivateTraining:
         refuse_batch_norm_in_train_mode(self.model)
         self._pending.popleft()
         lot.released = True
-        return self.mechanism.release.release(self._micro_batches(indices), self._release_loss, step)
+        stats = self.mechanism.release.release(self._micro_batches(indices), self._release_loss, step)
+        if self.plan_done:  # nothing is left to replay: the secret generator states go, as the driver's do
+            discard_mechanism_state(self.run_dir, keep=False)
+        return stats
+
+    @property
+    def plan_done(self) -> bool:
+        """The plan's last step is released (not merely charged: steps re-run after
+        load_state_dict replay with the saved state until then)."""
+        return self.next_step > self.plan.steps and not self._pending
 
     def close(self) -> None:
         """Remove the engine's hooks from the model."""
@@ -227,14 +245,16 @@ class PrivateTraining:
         record you may store beside your model's checkpoint and share: the step, the plan, and
         the ledger's head and length. The secret half — the lot sampler's and the noise's
         generator states, which regenerate the lots and noise — goes to run_dir's owner-only
-        mechanism_state.pt (the last two kept), never into the record."""
+        mechanism_state.pt (the last two kept, deleted once the plan's releases are all made),
+        never into the record."""
         if self._pending and step is None:
             raise UserError(
                 f"state_dict(): lot {self._pending[0][1]} was drawn and not released; release every lot drawn before saving "
                 "(a lot skipped on resume would be one chosen after it was seen)"
             )
         step = self.next_step - 1 if step is None else int(step)
-        save_mechanism_state(self.mechanism_state_path, step, secret_state(self.mechanism))
+        if not self.plan_done:  # once it is, no step is left to replay and the secret state is not kept
+            save_mechanism_state(self.mechanism_state_path, step, secret_state(self.mechanism))
         return {"step": step, "plan": self.plan.as_dict(), **ledger_record(self.mechanism.ledger)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -319,7 +339,7 @@ def make_private(
     secret = user_seed(settings.mechanism_seed_file, seed_file_key="mechanism_seed_file")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    check_ledger_kept(run_dir)  # a deleted ledger under a run that saved its state: its releases would be lost to ε
+    check_ledger_kept(run_dir, checkpoint=False)  # a deleted ledger under a run that saved its state: its releases would be lost to ε
     try:
         matrices = hidden_matrices(model)
         mechanism = build_mechanism(

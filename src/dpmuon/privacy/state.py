@@ -109,16 +109,19 @@ def verify_ledger(ledger: PrivacyLedger | None, saved: dict[str, Any], saved_in:
         raise UserError(f"cannot continue this run directory: {err}") from None
 
 
-def check_ledger_kept(run_dir: Path) -> None:
-    """Never start a new ledger under a run that released: its releases would be lost to ε."""
+def check_ledger_kept(run_dir: Path, checkpoint: bool = True) -> None:
+    """Never start a new ledger under a run that released: its releases would be lost to ε.
+    `checkpoint=False`: only the mechanism state says so (make_private's run_dir may hold the
+    user's own files, a checkpoint.pt among them)."""
     path = run_dir / LEDGER_FILE
-    if has_saved_state(run_dir) and not (path.is_file() and path.stat().st_size):
-        raise UserError(missing_ledger(run_dir))
+    saved = has_saved_state(run_dir) if checkpoint else (run_dir / MECHANISM_STATE_FILE).exists()
+    if saved and not (path.is_file() and path.stat().st_size):
+        raise UserError(missing_ledger(run_dir, checkpoint))
 
 
-def missing_ledger(run_dir: Path) -> str:
+def missing_ledger(run_dir: Path, checkpoint: bool = True) -> str:
     """Why a run with a checkpoint or mechanism state but no ledger is not continued."""
-    if (run_dir / CHECKPOINT_FILE).exists():
+    if checkpoint and (run_dir / CHECKPOINT_FILE).exists():
         saved_in, lengths = CHECKPOINT_FILE, [load_verified(run_dir / CHECKPOINT_FILE, f"restore {CHECKPOINT_FILE} from an intact copy").get("ledger_length")]
     else:
         saved_in = MECHANISM_STATE_FILE
