@@ -478,3 +478,24 @@ def test_the_secret_state_is_deleted_once_the_plans_last_step_is_released(tmp_pa
     again = make(tmp_path)  # a replay of steps 2 and 3 from the record: the state is gone, so fresh draws
     again.load_state_dict(record)
     assert not again.plan_done
+
+
+def test_a_replay_that_cannot_reproduce_its_release_is_redone_fresh_and_charged(tmp_path, capsys):
+    """A step re-run after load_state_dict on weights other than those it first saw releases
+    something else: that is no replay (its noise would repeat on a different sum), so the
+    mechanism redraws lot and noise from fresh entropy and charges the step again."""
+    first = make(tmp_path)
+    first.release(first.draw_lot())
+    record = first.state_dict()
+    first.release(first.draw_lot())
+    model = tiny_model()
+    with torch.no_grad():  # not the weights step 2 first saw (random: a constant shift can pass GPT-2's LayerNorms unseen)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    second = make(tmp_path, model)
+    second.load_state_dict(record)
+    second.release(second.draw_lot())
+    assert "redrawing lot and noise from fresh OS entropy" in capsys.readouterr().err
+    lines = [json.loads(line) for line in (tmp_path / "run" / LEDGER_FILE).read_text().splitlines()[1:]]
+    assert [(r["step"], r["charged"]) for r in lines] == [(1, True), (2, True), (2, True)]
+    assert second.mechanism.release.accountant.steps == 3

@@ -219,7 +219,7 @@ class PrivateTraining:
         refuse_batch_norm_in_train_mode(self.model)
         self._pending.popleft()
         lot.released = True
-        stats = self.mechanism.release.release(self._micro_batches(indices), self._release_loss, step)
+        stats = self.mechanism.release_lot(step, list(indices), self._micro_batches, self._release_loss, say)
         if self.plan_done:  # nothing is left to replay: the secret generator states go, as the driver's do
             discard_mechanism_state(self.run_dir, keep=False)
         return stats

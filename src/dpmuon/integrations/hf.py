@@ -62,7 +62,6 @@ from ..facade import STATED, Lot, PrivateTraining, make_private, make_private_ke
 from ..models import per_example_lm_loss
 from ..optim import build as build_optimizer
 from ..optim.for_release import settings_class
-from ..privacy.privatizer import ReleaseStats, ReplayMismatchError
 from ..privacy.settings import PrivacySettings
 from ..privacy.state import discard_mechanism_state
 from ..training.run_files import atomic_write_json, freeze_times
@@ -415,17 +414,9 @@ class DPTrainer(Trainer):
         """Release the lot into p.grad (clip, noise, ledger, accountant); the Trainer's optimizer step follows.
         Returns the lot's mean per-example loss when `log_nonprivate_train_loss`, else 0."""
         self.model.train()  # the engine's per-example hooks are on self.model's modules, not on Trainer's wrapper `model`
-        stats = self._release(inputs)
+        stats = self.private.release(inputs)  # a re-run step its saved noise cannot reproduce is redone fresh (Mechanism.release_lot)
         loss = stats.train_loss if self.log_nonprivate_train_loss and math.isfinite(stats.train_loss) else 0.0
         return torch.tensor(loss, device=self.args.device)
-
-    def _release(self, lot: Lot) -> ReleaseStats:
-        try:
-            return self.private.release(lot)
-        except ReplayMismatchError as err:  # a re-run step after resume that its saved noise cannot reproduce
-            say(f"{err}; redrawing lot and noise from fresh OS entropy (charged as a new release)")
-            self.private.mechanism.redraw_fresh()
-            return self.private.release(self.draw_lot(lot.step))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:

@@ -12,7 +12,7 @@ What the optimizers may see of it is public: `Mechanism.release_noise_std()`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from .ledger import LEDGER_FILE, LedgerIntegrityError, LedgerMismatchError, Priv
 from .lot_bound import lot_bound
 from .noise import GaussianNoise
 from .plan import PrivacyPlan, check_private_inputs, make_plan, plan_length, within_budget
-from .privatizer import NonPrivateRelease, Privatizer
+from .privatizer import NonPrivateRelease, Privatizer, ReleaseStats, ReplayMismatchError
 from .randomness import MechanismRandomness
 from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler
 from .seed import STRONG_SEED, WEAK_SEED_WARNING
@@ -77,6 +77,18 @@ class Mechanism:
         self.randomness.reseed_from_os_entropy()
         share_rank0_randomness(self.randomness, self.parallel)  # ranks must keep drawing one lot
         self.release.noise_may_repeat = False
+
+    def release_lot(self, step: int, lot: list[int], micro_batches: Callable[[list[int]], Iterable], loss_fn, log: Log = print) -> ReleaseStats:
+        """Release `lot` (drawn by `next_lot`) as step `step`, its micro-batches made by
+        `micro_batches(lot)`. A re-run step whose saved randomness cannot reproduce its earlier
+        release (ReplayMismatchError: the weights it saw changed) is redone from fresh secret
+        randomness — a new lot and new noise, charged as a new release."""
+        try:
+            return self.release.release(micro_batches(lot), loss_fn, step)
+        except ReplayMismatchError as err:
+            log(f"{err}; redrawing lot and noise from fresh OS entropy (charged as a new release)")
+            self.redraw_fresh()
+            return self.release.release(micro_batches(self.next_lot()), loss_fn, step)
 
     def within_budget(self) -> bool:
         """Would one more release keep ε ≤ the target (privacy/plan.py)?"""

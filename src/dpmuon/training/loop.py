@@ -49,7 +49,6 @@ from ..outcomes import NON_FINITE, Interrupted
 from ..privacy import (
     MechanismRandomness,
     NonFiniteReleaseError,
-    ReplayMismatchError,
 )
 from ..privacy.distributed import DataParallel, init_data_parallel
 from ..privacy.mechanism import Mechanism, MechanismSettings, build_mechanism, check_plan_inputs
@@ -490,13 +489,8 @@ def train_step(t: Training, step: int) -> dict[str, Any]:
 
 
 def release_step(t: Training, step: int):
-    """Sample a lot and release it; a replay that cannot reproduce its output is redone fresh."""
-    try:
-        return t.mechanism.release.release(lot_batches(t, t.mechanism.next_lot()), loss_function(t), step)
-    except ReplayMismatchError as err:
-        log(f"{err}; redrawing lot and noise from fresh OS entropy (charged as a new release)")
-        t.mechanism.redraw_fresh()
-        return t.mechanism.release.release(lot_batches(t, t.mechanism.next_lot()), loss_function(t), step)
+    """Sample a lot and release it (a replay that cannot reproduce its output is redone fresh)."""
+    return t.mechanism.release_lot(step, t.mechanism.next_lot(), lambda lot: lot_batches(t, lot), loss_function(t), log)
 
 
 def lot_batches(t: Training, lot: list[int]):
