@@ -152,8 +152,9 @@ class PrivateTraining:
             )
             return
         for _ in range(self.plan.steps - charged - len(self._pending)):
-            if not self.mechanism.within_budget():
-                say(f"budget guard: one more release would exceed ε={self.plan.target_epsilon} (ε spent {self.epsilon:.4f}); no more lots")
+            stop = self.mechanism.budget_stop(self.next_step)
+            if stop:
+                say(f"{stop}; no more lots")
                 return
             yield self.draw_lot()
 

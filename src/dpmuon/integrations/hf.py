@@ -279,8 +279,9 @@ class PoissonLots:
     def __iter__(self) -> Iterator[Lot]:
         trainer = self.trainer
         while trainer.next_step <= trainer.private.plan.steps:
-            if not trainer.private.mechanism.within_budget():
-                say(f"budget guard: releasing step {trainer.next_step} would exceed ε={trainer.private.plan.target_epsilon}; stopping")
+            stop = trainer.private.mechanism.budget_stop(trainer.next_step)
+            if stop:
+                say(f"{stop}; stopping")
                 trainer.budget_stopped = True
                 trainer.control.should_training_stop = True
                 return

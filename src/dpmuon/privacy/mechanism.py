@@ -94,6 +94,13 @@ class Mechanism:
         """Would one more release keep ε ≤ the target (privacy/plan.py)?"""
         return within_budget(self.release.accountant, self.plan)
 
+    def budget_stop(self, step: int) -> str | None:
+        """Why release `step` may not be made (the budget guard, said the same way by the driver,
+        make_private and DPTrainer), or None when it may."""
+        if self.within_budget():
+            return None
+        return f"budget guard: releasing step {step} would exceed ε={self.plan.target_epsilon:g} (ε spent {self.epsilon:.4f})"
+
     @property
     def epsilon(self) -> float | None:
         """ε spent so far, from the charged releases (None: non-private)."""

@@ -436,9 +436,8 @@ def train(t: Training) -> str | None:
             **({} if t.publish_diagnostics else {"mininterval": 0, "miniters": 1}),
         )
         for step in bar:
-            if not t.mechanism.within_budget():
-                spent = t.mechanism.release.accountant.epsilon()
-                reason = f"budget guard: releasing step {step} would exceed ε={t.plan.target_epsilon} (ε spent {spent:.4f})"
+            reason = t.mechanism.budget_stop(step)
+            if reason:
                 log(f"{reason}; stopping")
                 checkpoint(t, t.last_step)
                 return reason
