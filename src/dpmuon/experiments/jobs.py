@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import REPO_ROOT
+from ..privacy.seed import MECHANISM_SEED_ENV
 from ..privacy.state import has_saved_state
 from ..run_folder import PUBLISHED, RUNNER_LOCK, is_finished
-from ..training.secret import MECHANISM_SEED_ENV
 
 REPO = REPO_ROOT
 

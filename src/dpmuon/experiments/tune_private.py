@@ -45,8 +45,8 @@ from .. import run_folder
 from ..eval import study
 from ..jsontext import to_json
 from ..privacy.composition import composed_epsilon
+from ..privacy.seed import MECHANISM_SEED_ENV
 from ..privacy.tuning import TruncatedNegativeBinomial, tuning_bound
-from ..training.secret import MECHANISM_SEED_ENV
 
 SUMMARY = "tuning_summary.json"
 DEFAULT_TRAIN = [sys.executable, "-m", "dpmuon.train"]
