@@ -34,6 +34,15 @@ its wall time (W&B's `_timestamp`/`_runtime`, TensorBoard's `wall_time`, MLflow'
 metrics, are refused. With `publish_timing=True` they run as in Trainer, except that W&B collects no system metrics
 (`WANDB__DISABLE_STATS`, unless set). Evaluation runs as in Trainer; metrics on a private split are outside the
 guarantee, as the driver's private validation NLL is.
+
+Trainer's private methods it overrides, three, each because no public hook reaches it:
+`_get_train_sampler` (refused: a sampler would shuffle, and the lots are the mechanism's Poisson draws),
+`_get_num_items_in_batch` (None: the count is taken from the secret lot's tokens, and the per-example loss
+needs none) and `_save_checkpoint` (the mechanism's record and secret state written before Trainer's files, and
+checkpoints rotated by step number since their times are frozen). The rest are public methods: the lots
+(`get_train_dataloader`, `set_initial_training_values`), the release (`training_step`, which calls no
+`compute_loss`, and `create_optimizer`), what is logged (`log`, `floating_point_ops`), what is written (`save_model`, `save_state`,
+`save_metrics`) and the plan's end (`train`).
 """
 
 from __future__ import annotations
