@@ -86,3 +86,26 @@ def test_the_engine_choices_are_the_registered_engines():
     from dpmuon.privacy.settings import ENGINE_NAMES
 
     assert set(ENGINE_NAMES) == set(ENGINES)
+
+
+def test_the_mechanisms_own_defaults_are_the_privacy_options():
+    """build_partition, the accountant, the privatizer and the engines default to the options'
+    declared defaults, not to copies of them."""
+    import inspect
+
+    from dpmuon.privacy.accountant import PrivacyAccountant
+    from dpmuon.privacy.blocks import build_partition
+    from dpmuon.privacy.engines.base import build_engine
+    from dpmuon.privacy.mechanism import build_privatizer
+    from dpmuon.privacy.settings import default
+
+    def defaults(function) -> dict:
+        return {name: p.default for name, p in inspect.signature(function).parameters.items()}
+
+    for name in ("clip_mode", "clip_norm", "threshold_rule", "other_blocks"):
+        assert defaults(build_partition)[name] == default(name)
+    assert defaults(PrivacyAccountant)["accountant"] == default("accountant")
+    assert defaults(build_engine)["fallback"] == default("engine_fallback")
+    assert {k: defaults(build_privatizer)[k] for k in ("engine", "engine_fallback", "noise_allocation")} == {
+        k: default(k) for k in ("engine", "engine_fallback", "noise_allocation")
+    }

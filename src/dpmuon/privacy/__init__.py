@@ -12,7 +12,7 @@ from ..lazy import lazy_exports
 
 # name → the submodule that defines it
 _EXPORTS = {
-    "ACCOUNTANTS": "accountant",
+    "ACCOUNTANTS": "settings",
     "NullAccountant": "accountant",
     "PrivacyAccountant": "accountant",
     "calibrate_noise_multiplier": "accountant",

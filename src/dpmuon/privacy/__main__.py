@@ -15,8 +15,9 @@ import warnings
 
 from ..errors import UserError
 from ..jsontext import to_json
-from .accountant import ACCOUNTANTS, calibrate_noise_multiplier, epsilon_after, plan_steps
+from .accountant import calibrate_noise_multiplier, epsilon_after, plan_steps
 from .plan import PRV_MAX_EPSILON
+from .settings import ACCOUNTANTS
 
 # The most points of PRV's discretized privacy-loss grid this command lets Opacus build: 7·10⁶
 # points took 12 s and 1.5 GB (σ = 0.1, q = 0.01, 100 steps); 4·10⁷ ran past two minutes and

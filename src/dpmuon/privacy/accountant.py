@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-ACCOUNTANTS = ("prv", "rdp")
+from .settings import ACCOUNTANTS, default
+
 # Binary-search precision of σ calibration, in units of ε (Opacus' epsilon_tolerance).
 CALIBRATION_TOLERANCE = 0.01
 # RDP orders: Opacus' default stops at 63, too low for ε ≈ 8 at small q (the optimum sits at the
@@ -120,7 +121,7 @@ def check_sample_rate(sample_rate: float) -> None:
 
 @lru_cache(maxsize=4096)
 def epsilon_after(
-    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv", slack: ReleaseSlack = ReleaseSlack()
+    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = default("accountant"), slack: ReleaseSlack = ReleaseSlack()
 ) -> float:
     """ε spent by `steps` releases with (σ, q) at δ; inf without noise, 0 before any step."""
     _check_accountant(accountant)
@@ -132,7 +133,7 @@ def epsilon_after(
 
 
 def calibrate_noise_multiplier(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "prv", slack: ReleaseSlack = ReleaseSlack()
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = default("accountant"), slack: ReleaseSlack = ReleaseSlack()
 ) -> float:
     """Smallest σ (to the search tolerance) whose ε after `steps` steps, slack included, is ≤ target_epsilon."""
     _check_accountant(accountant)
@@ -178,7 +179,7 @@ class NullAccountant:
 class PrivacyAccountant:
     """ε spent by one run's releases so far (rebuilt from the privacy ledger on resume)."""
 
-    def __init__(self, delta: float, accountant: str = "prv", slack: ReleaseSlack = ReleaseSlack()):
+    def __init__(self, delta: float, accountant: str = default("accountant"), slack: ReleaseSlack = ReleaseSlack()):
         _check_accountant(accountant)
         self.delta = delta
         self.mechanism = accountant

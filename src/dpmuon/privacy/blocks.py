@@ -10,9 +10,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-CLIP_MODES = ("per_matrix", "flat")
-THRESHOLD_RULES = ("split", "scalar", "by_size")
-OTHER_BLOCKS = ("per_tensor", "group")
+from .settings import CLIP_MODES, OTHER_BLOCKS, THRESHOLD_RULES, default
 
 
 @dataclass(frozen=True)
@@ -61,10 +59,10 @@ class BlockPartition:
 
 def build_partition(
     param_names: Iterable[str],
-    clip_mode: str = "per_matrix",
-    clip_norm: float = 0.1,
-    threshold_rule: str = "split",
-    other_blocks: str = "per_tensor",
+    clip_mode: str = default("clip_mode"),
+    clip_norm: float = default("clip_norm"),
+    threshold_rule: str = default("threshold_rule"),
+    other_blocks: str = default("other_blocks"),
     matrix_names: Iterable[str] = (),
     sizes: Mapping[str, int] | None = None,
 ) -> BlockPartition:

@@ -31,7 +31,7 @@ from .privatizer import NonPrivateRelease, Privatizer, ReleaseStats, ReplayMisma
 from .randomness import MechanismRandomness
 from .sampling import PoissonLotSampler, ShuffleLotSampler, build_lot_sampler
 from .seed import STRONG_SEED, WEAK_SEED_WARNING
-from .settings import PrivacySettings
+from .settings import PrivacySettings, default
 
 Log = Callable[[str], None]
 
@@ -284,9 +284,9 @@ def build_privatizer(
     plan: PrivacyPlan,
     noise: GaussianNoise,
     *,
-    engine: str = "fast",
-    engine_fallback: str = "generic",
-    noise_allocation: str = "uniform",
+    engine: str = default("engine"),
+    engine_fallback: str = default("engine_fallback"),
+    noise_allocation: str = default("noise_allocation"),
     parallel: DataParallel = SINGLE,
     ledger: PrivacyLedger | None = None,
 ) -> Privatizer:

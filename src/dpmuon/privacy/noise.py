@@ -20,10 +20,10 @@ import torch
 from .blocks import BlockPartition
 from .grid import release_on_grid
 from .randomness import CHUNK, KEY_BITS, SecretStream, secure_standard_normal
-from .settings import NOISE_ALLOCATIONS
+from .settings import NOISE_ALLOCATIONS, default
 
 
-def block_noise_stds(partition: BlockPartition, noise_multiplier: float, allocation: str = "uniform") -> list[float]:
+def block_noise_stds(partition: BlockPartition, noise_multiplier: float, allocation: str = default("noise_allocation")) -> list[float]:
     """Std of the noise added to each block's clipped sum (before dividing by the lot size)."""
     if noise_multiplier < 0:
         raise ValueError(f"noise multiplier must be >= 0, got {noise_multiplier}")

@@ -27,6 +27,7 @@ from .distributed import SINGLE, DataParallel
 from .engines import PerExampleLoss, build_engine
 from .ledger import PrivacyLedger, release_digest
 from .noise import GaussianNoise, block_noise_stds
+from .settings import default
 
 
 class NonFiniteReleaseError(RuntimeError):
@@ -95,9 +96,9 @@ class Privatizer:
     sample_rate: float
     accountant: PrivacyAccountant
     noise: GaussianNoise = field(default_factory=GaussianNoise)
-    noise_allocation: str = "uniform"
-    engine: str = "fast"  # as privacy.engine defaults to
-    engine_fallback: str = "generic"  # privacy.engine_fallback: modules without a rule get torch.func gradients, or "error"
+    noise_allocation: str = default("noise_allocation")
+    engine: str = default("engine")
+    engine_fallback: str = default("engine_fallback")  # modules without a rule: torch.func gradients ("generic"), or refused
     parallel: DataParallel = SINGLE  # this rank's place; micro_batches are then its shard of the lot
     ledger: PrivacyLedger | None = None  # durable record of every release (rank 0 writes it)
     constant_time: bool = False  # lots padded to a fixed size: the engine's work must not depend on the real rows

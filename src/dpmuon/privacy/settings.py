@@ -6,18 +6,23 @@ with the same one-line message from Python as from the command line:
     PrivacySettings(delta=1e-5, clip_norm=-1)  →  privacy.clip_norm=-1: must be > 0; valid: a number > 0
 
 `@settings("privacy")` offers the defaults to conf/privacy/*.yaml, which set only what differs.
-The choices are the names the mechanism's modules accept; this module imports nothing heavy, so
-that reading the options (validation, --options, the reference) loads no torch.
+The choices are the names the mechanism's modules accept, and `default(name)` is what their own
+functions default to; this module imports nothing heavy (nothing of the mechanism), so that
+reading the options (validation, --options, the reference) loads no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ..settings import REQUIRED, Settings, option, settings
-from .accountant import ACCOUNTANTS
-from .blocks import CLIP_MODES, OTHER_BLOCKS, THRESHOLD_RULES
 
+ACCOUNTANTS = ("prv", "rdp")
+CLIP_MODES = ("per_matrix", "flat")
+THRESHOLD_RULES = ("split", "scalar", "by_size")
+OTHER_BLOCKS = ("per_tensor", "group")
 SAMPLINGS = ("poisson", "shuffle")
 NOISE_ALLOCATIONS = ("uniform", "proportional")
 ENGINE_NAMES = ("fast", "opacus")  # the registered engines (privacy/engines), named without importing them
@@ -58,3 +63,8 @@ class PrivacySettings(Settings):
     )
     published_seed: bool = option(False, "the mechanism seed is published (a measurement): the summary says its ε is no guarantee")
     keep_mechanism_state: bool = option(False, "keep <run>/mechanism_state.pt (owner-only) after the run completes")
+
+
+def default(name: str) -> Any:
+    """The default of privacy option `name`: what the mechanism's own functions default to as well."""
+    return next(f.default for f in dataclasses.fields(PrivacySettings) if f.name == name)

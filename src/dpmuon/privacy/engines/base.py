@@ -17,6 +17,7 @@ from torch import nn
 
 from ..blocks import BlockPartition
 from ..clipping import ClipStats
+from ..settings import default
 
 # loss_fn(model, batch) → per-example losses, shape [B]; the gradient of example i's loss is g_i.
 PerExampleLoss = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
@@ -86,7 +87,9 @@ def register_engine(name: str):
     return decorator
 
 
-def build_engine(name: str, model: nn.Module, partition: BlockPartition, constant_time: bool = False, fallback: str = "generic") -> PerExampleEngine:
+def build_engine(
+    name: str, model: nn.Module, partition: BlockPartition, constant_time: bool = False, fallback: str = default("engine_fallback")
+) -> PerExampleEngine:
     """fallback (privacy.engine_fallback): for a trainable module no rule of the engine knows,
     "generic" forms its per-example gradients by torch.func; "error" refuses the model."""
     if name not in ENGINES:
