@@ -79,16 +79,16 @@ models/public-for-%:
 	$(PYTHON) scripts/pretrain_public.py --private $*
 
 results-cpu: models/public-for-e2e models/public-for-dart ## The committed CPU-scale reproduction (hours): public pretraining, tuning, 3 seeds → results/{e2e,dart}
-	$(PYTHON) scripts/reproduce_cpu.py --dataset e2e
-	$(PYTHON) scripts/reproduce_cpu.py --dataset dart
+	$(PYTHON) -m studies.reproduce_cpu --dataset e2e
+	$(PYTHON) -m studies.reproduce_cpu --dataset dart
 
 results-smollm2: models/smollm2 ## SmolLM2-135M + LoRA on E2E at ε = 8, DP-Adam and DP-Muon (~1 h each on one CPU thread) → results/smollm2_lora
-	$(PYTHON) -m dpmuon.experiments.smollm2_lora run --jobs 2
-	$(PYTHON) -m dpmuon.experiments.smollm2_lora report
+	$(PYTHON) -m studies.smollm2_lora run --jobs 2
+	$(PYTHON) -m studies.smollm2_lora report
 
 results-smollm2-fair: models/smollm2 ## The pre-registered SmolLM2 + LoRA study, DP-Adam vs DP-Muon vs DP-MuonBC (resumable; ~1.2 h a run on one CPU thread) → results/smollm2_fair
-	$(PYTHON) -m dpmuon.experiments.smollm2_fair run
-	$(PYTHON) -m dpmuon.experiments.smollm2_fair_report
+	$(PYTHON) -m studies.smollm2_fair run
+	$(PYTHON) -m studies.smollm2_fair_report
 
 bench-step: ## Step throughput and peak memory: non-private vs Opacus vs fast engine (tiny model on CPU)
 	$(PYTHON) scripts/bench_step.py --threads 1

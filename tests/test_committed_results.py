@@ -37,7 +37,7 @@ BC_REGIME = RESULTS / "bc_regime"
 
 @pytest.mark.skipif(not (BC_REGIME / "regime.md").exists(), reason="no committed results/bc_regime/ tables")
 def test_committed_regime_tables_regenerate_exactly_from_committed_runs(tmp_path: Path):
-    from dpmuon.experiments.bc_regime_report import write_report
+    from studies.bc_regime_report import write_report
 
     write_report(BC_REGIME, tmp_path)
     for name in ("regime.md", "regime.csv"):
@@ -49,7 +49,7 @@ FAIR = BC_REGIME / "fair"
 
 @pytest.mark.skipif(not (FAIR / "fair.md").exists(), reason="no committed results/bc_regime/fair/ table yet")
 def test_committed_fair_comparison_regenerates_exactly_from_committed_runs(tmp_path: Path):
-    from dpmuon.experiments.bc_fair_report import write_report
+    from studies.bc_fair_report import write_report
 
     write_report(FAIR, tmp_path)
     assert (tmp_path / "fair.md").read_text() == (FAIR / "fair.md").read_text(), f"{FAIR / 'fair.md'} differs from a fresh report"
@@ -60,7 +60,7 @@ SMOLLM2_FAIR = RESULTS / "smollm2_fair"
 
 @pytest.mark.skipif(not (SMOLLM2_FAIR / "fair.md").exists(), reason="no committed results/smollm2_fair/ report yet")
 def test_committed_smollm2_study_report_regenerates_exactly_from_committed_runs(tmp_path: Path):
-    from dpmuon.experiments.smollm2_fair_report import write_report
+    from studies.smollm2_fair_report import write_report
 
     write_report(SMOLLM2_FAIR, tmp_path)
     assert (tmp_path / "fair.md").read_text() == (SMOLLM2_FAIR / "fair.md").read_text(), f"{SMOLLM2_FAIR / 'fair.md'} differs from a fresh report"

@@ -6,6 +6,7 @@ never imports models, and no function is too long to name."""
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 
@@ -14,8 +15,10 @@ import pytest
 from dpmuon.paths import REPO_ROOT
 
 SRC = REPO_ROOT / "src" / "dpmuon"
+STUDIES = REPO_ROOT / "studies"
+SOURCES = [*SRC.rglob("*.py"), *STUDIES.glob("*.py")]  # the library and its studies
 MAX_FUNCTION_LINES = 80
-APPLICATION = {"training", "eval", "experiments", "config"}  # what the library packages never import
+APPLICATION = {"training", "eval", "config"}  # what the library packages never import
 
 
 def imported_packages(package: str) -> set[str]:
@@ -52,19 +55,33 @@ def test_package_boundaries(package, forbidden):
     assert not imported_packages(package) & forbidden, imported_packages(package)
 
 
-@pytest.mark.parametrize("package, allowed", [("integrations", {"training.run_files"}), ("experiments", set())])
-def test_the_integrations_and_studies_do_not_reach_into_the_driver(package, allowed):
+def test_the_integrations_do_not_reach_into_the_driver():
     """The Trainer saves, restores and guards the mechanism as make_private does (privacy/state.py
     through PrivateTraining), not through the driver: of the driver's package it may use only the
-    run-file writers. The studies start the driver as a command and read what it wrote."""
+    run-file writers."""
     from_training = set()
-    for path in (SRC / package).rglob("*.py"):
+    for path in (SRC / "integrations").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("training",) and node.level == 2:
                 from_training.add(node.module)
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dpmuon.training"):
                 from_training.add(node.module.removeprefix("dpmuon."))
-    assert from_training <= allowed, from_training
+    assert from_training <= {"training.run_files"}, from_training
+
+
+def test_the_studies_use_only_the_public_api():
+    """studies/ is not part of the library: it starts the driver as a command and reads what it
+    wrote, and of dpmuon it imports only what a module declares public (its `__all__`), so a
+    study cannot come to depend on an internal that changes under it."""
+    private = []
+    for path in sorted(STUDIES.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                private += [f"{path.name}: import {a.name}" for a in node.names if a.name.split(".")[0] == "dpmuon"]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "dpmuon":
+                public = getattr(importlib.import_module(node.module), "__all__", ())
+                private += [f"{path.name}: from {node.module} import {a.name}" for a in node.names if a.name not in public]
+    assert not private, private
 
 
 @pytest.mark.parametrize(
@@ -94,8 +111,8 @@ def test_only_the_run_folder_layout_spells_a_run_file_name():
     names = {layout.SUMMARY, layout.METRICS, layout.DIAGNOSTICS, layout.LEDGER, layout.CHECKPOINT, layout.MECHANISM_STATE,
              layout.GENERATIONS, layout.LOCK, layout.SEED_USE, layout.RUNNER_LOCK, layout.WEIGHTS_FINGERPRINT, layout.STORED_CONFIG}  # fmt: skip
     spelled = [
-        f"{path.relative_to(SRC)}:{node.lineno} {node.value!r}"
-        for path in SRC.rglob("*.py")
+        f"{path.relative_to(REPO_ROOT)}:{node.lineno} {node.value!r}"
+        for path in SOURCES
         if path.name != "run_folder.py"
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Constant) and node.value in names
@@ -105,12 +122,12 @@ def test_only_the_run_folder_layout_spells_a_run_file_name():
 
 def test_no_function_is_longer_than_a_screen_unless_it_says_why():
     long = []
-    for path in SRC.rglob("*.py"):
+    for path in SOURCES:
         lines = path.read_text().splitlines()
         for node in ast.walk(ast.parse("\n".join(lines))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 said = any("long:" in lines[i] for i in range(max(0, node.lineno - 3), node.lineno))
                 if length > MAX_FUNCTION_LINES and not said:
-                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({length} lines)")
+                    long.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {node.name} ({length} lines)")
     assert not long, long

@@ -13,6 +13,8 @@ import json
 import math
 from typing import Any
 
+__all__ = ["finite_or_null", "to_json"]
+
 
 def finite_or_null(value: Any) -> Any:
     """`value` with every non-finite float (also inside dicts, lists, tuples) replaced by None."""

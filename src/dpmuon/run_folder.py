@@ -23,7 +23,7 @@ names only (no torch, no config): the mechanism package names its ledger from he
       model/                       the final model and tokenizer, when saved
       adapter/                     a LoRA run's adapters (peft's save_pretrained), always
 
-A published run folder (experiments/jobs.py) keeps the public part under the same names, with the
+A published run folder (studies/jobs.py) keeps the public part under the same names, with the
 resolved config as `config.yaml` beside them (and, for a public pretraining run, the fingerprint of
 the model it built as `weights_sha256.txt`). The job runner holds `runner.lock` in a job's folder.
 """
@@ -31,6 +31,12 @@ the model it built as `weights_sha256.txt`). The job runner holds `runner.lock` 
 from __future__ import annotations
 
 from pathlib import Path
+
+__all__ = [
+    "ADAPTER", "CHECKPOINT", "CURVES", "DIAGNOSTICS", "GENERATIONS", "HYDRA_DIR", "LEDGER", "LOCK", "MECHANISM_STATE",
+    "METRICS", "MODEL", "NOT_A_RUN", "PUBLISHED", "PUBLISHED_CONFIG", "RUNNER_LOCK", "RUN_STATE", "SEED_USE",
+    "STORED_CONFIG", "SUMMARY", "TRAIN_LOG", "WEIGHTS_FINGERPRINT", "is_finished", "stored_configs",
+]  # fmt: skip
 
 HYDRA_DIR = ".hydra"
 STORED_CONFIG = f"{HYDRA_DIR}/config.yaml"

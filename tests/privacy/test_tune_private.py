@@ -1,4 +1,4 @@
-"""Random-stopping tuning: the Papernot–Steinke bound, and the tuning driver (scripts/tune_private.py) end to end."""
+"""Random-stopping tuning: the Papernot–Steinke bound, and the tuning driver (studies/tune_private.py) end to end."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import pytest
 import torch
 from dp_accounting import dp_event
 
-from dpmuon.experiments import tune_private
 from dpmuon.privacy import epsilon_after
 from dpmuon.privacy.accountant import RDP_ORDERS
 from dpmuon.privacy.tuning import TruncatedNegativeBinomial, base_rdp, tuned_rdp, tuning_bound
 from dpmuon.privacy.tuning import main as tuning_main
 from dpmuon.training.secret import MECHANISM_SEED_ENV
+from studies import tune_private
 
 torch.set_num_threads(1)
 
@@ -128,7 +128,7 @@ def test_the_bound_from_the_command_line(capsys):
     assert "must be > 1" in capsys.readouterr().err
 
 
-# --- scripts/tune_private.py with a fake trainer ----------------------------------------------
+# --- studies/tune_private.py with a fake trainer ----------------------------------------------
 
 FAKE_SIGMA, FAKE_Q, FAKE_STEPS, FAKE_DELTA = 1.0, 0.01, 20, 1e-5
 FAKE_TRAINER = f"""

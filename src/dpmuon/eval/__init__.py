@@ -9,5 +9,27 @@
 - `study`: what releasing several runs on one private dataset costs (`dpmuon-study`); the
   composition itself is dpmuon.privacy.composition's.
 
-Nothing is imported here, so reading runs does not pull in the scorers or matplotlib.
+The names below load their module on first use (PEP 562), so reading runs does not pull in
+the scorers or matplotlib.
 """
+
+from __future__ import annotations
+
+from ..lazy import lazy_exports
+
+_EXPORTS = {
+    "tables_main": "cli",
+    "METRICS_FILE": "runs",
+    "SUMMARY_FILE": "runs",
+    "Run": "runs",
+    "RunFormatError": "runs",
+    "find_runs": "runs",
+    "read_json_object": "runs",
+    "read_metrics": "runs",
+    "read_run_rows": "runs",
+    "read_summary": "runs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

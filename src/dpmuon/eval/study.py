@@ -66,6 +66,8 @@ from ..privacy.randomness import PUBLISHED_SEED, USER_SEED
 from ..run_folder import LEDGER, SUMMARY
 from .runs import RunFormatError, read_json_object, run_dirs_below
 
+__all__ = ["StudyError", "StudyGroup", "find_run_dirs", "group_runs", "is_run_dir", "read_run", "study_epsilon", "study_report"]
+
 FROM_LEDGER = LEDGER
 STUDY_MARKERS = (LEDGER, SUMMARY)  # a run folder, to the study: one that released (a ledger) or finished
 RECONSTRUCTED = "reconstructed from summary.json"

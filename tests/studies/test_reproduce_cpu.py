@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dpmuon.experiments import reproduce_cpu as reproduce
+from studies import reproduce_cpu as reproduce
 
 
 def test_every_dp_optimizer_gets_the_same_tuning_budget():

@@ -1,9 +1,9 @@
 """DP-MuonBC compared fairly: each optimizer at its own best rate, the method's variants, and a
 horizon long enough for late gains (results/bc_regime/fair/, issue 25).
 
-    python -m dpmuon.experiments.bc_fair run [--jobs 2]   # every stage whose inputs exist (resumable)
-    python -m dpmuon.experiments.bc_fair run --stage horizon   # one stage only (long runs first in a session)
-    python -m dpmuon.experiments.bc_fair list             # every run known so far: done or to do
+    python -m studies.bc_fair run [--jobs 2]   # every stage whose inputs exist (resumable)
+    python -m studies.bc_fair run --stage horizon   # one stage only (long runs first in a session)
+    python -m studies.bc_fair list             # every run known so far: done or to do
 
 The setting of the regime map (experiment=pretrained_tiny_e2e: the public tiny model, lot 256,
 ε = 8, 100 steps; lots as drawn, not padded to constant time), in stages that each need the
@@ -51,8 +51,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..eval.runs import SUMMARY_FILE, read_summary
-from ..run_folder import WEIGHTS_FINGERPRINT
+from dpmuon.eval import SUMMARY_FILE, read_summary
+from dpmuon.run_folder import WEIGHTS_FINGERPRINT
+
 from .bc_regime import MechanismSeeds, publish_public_model
 from .jobs import REPO, Job, run_jobs
 
@@ -194,7 +195,7 @@ def public_model(results: Path) -> None:
 def check_public_model(results: Path) -> None:
     """Refuse to add runs that start from another public model than the committed ones did, or
     whose seeds were not kept."""
-    from ..models import load_pretrained, weights_fingerprint
+    from dpmuon.models import load_pretrained, weights_fingerprint
 
     committed = (results / "public_pretraining" / WEIGHTS_FINGERPRINT).read_text().strip()
     here = weights_fingerprint(load_pretrained(str(PUBLIC_MODEL)))
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         pending = [job for job in todo if not is_published(args.results, job) and args.stage in ("all", job.stage)]
         if not pending:
             if args.stage not in ("all", *(job.stage for job in todo)):
-                raise SystemExit(f"--stage {args.stage}: the stages before it are not all published yet (see: python -m dpmuon.experiments.bc_fair list)")
+                raise SystemExit(f"--stage {args.stage}: the stages before it are not all published yet (see: python -m studies.bc_fair list)")
             return 0
         print(f"bc_fair: {len(pending)} runs to do, {args.jobs} at a time", flush=True)
         run_jobs(pending, args.work, args.results, threads=1, parallel=args.jobs)

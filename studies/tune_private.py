@@ -1,8 +1,8 @@
 """Tune hyperparameters on private data by random stopping (Papernot & Steinke, ICLR 2022).
 
-    python scripts/tune_private.py --out outputs/tune_e2e --mean-trials 5 --lr-grid 3e-3,1e-2,3e-2 \\
+    python -m studies.tune_private --out outputs/tune_e2e --mean-trials 5 --lr-grid 3e-3,1e-2,3e-2 \\
         experiment=pretrained_tiny_e2e optimizer=dp_adam
-    python scripts/tune_private.py --out outputs/tune_e2e --mean-trials 10 --eta 0 \\
+    python -m studies.tune_private --out outputs/tune_e2e --mean-trials 10 --eta 0 \\
         --lr-range 1e-4:1e-1 --lr-key optimizer.lr --lr-key optimizer.adam.lr experiment=pretrained_tiny_e2e optimizer=dp_muon
 
 Draws K from a truncated negative binomial with mean --mean-trials (shape --eta: 1 geometric,
@@ -41,12 +41,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import run_folder
-from ..eval import study
-from ..jsontext import to_json
-from ..privacy.composition import composed_epsilon
-from ..privacy.seed import MECHANISM_SEED_ENV
-from ..privacy.tuning import TruncatedNegativeBinomial, tuning_bound
+from dpmuon.eval.study import group_runs, is_run_dir, read_run
+from dpmuon.jsontext import to_json
+from dpmuon.privacy import MECHANISM_SEED_ENV, TruncatedNegativeBinomial, composed_epsilon, tuning_bound
+from dpmuon.run_folder import SUMMARY as RUN_SUMMARY
 
 SUMMARY = "tuning_summary.json"
 DEFAULT_TRAIN = [sys.executable, "-m", "dpmuon.train"]
@@ -178,7 +176,7 @@ def run_trial(trial: Trial, train_command: list[str], overrides: list[str]) -> N
     ]  # fmt: skip
     with open(trial.run_dir / "tune_private.log", "w") as log:
         trial.returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-    summary = trial.run_dir / run_folder.SUMMARY
+    summary = trial.run_dir / RUN_SUMMARY
     if trial.returncode == 0 and summary.is_file():
         score = json.loads(summary.read_text()).get("val_nll")
         trial.val_nll = float(score) if isinstance(score, (int, float)) and math.isfinite(score) else None
@@ -192,8 +190,8 @@ def choose(trials: list[Trial]) -> Trial | None:
 
 def privacy_of(trials: list[Trial], distribution: TruncatedNegativeBinomial | None, delta: float | None) -> dict:
     """ε of the whole procedure at δ: Theorem 2 for random stopping, composition for fixed trials."""
-    records = [study.read_run(t.run_dir) for t in trials if study.is_run_dir(t.run_dir)]
-    groups = study.group_runs(records) if records else []
+    records = [read_run(t.run_dir) for t in trials if is_run_dir(t.run_dir)]
+    groups = group_runs(records) if records else []
     if len(groups) != 1:
         raise TuningError(f"the trials should share one private training set, found {len(groups)}")
     if any(not record.private for record in records):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers_runs import table_rows, write_run
 
-from dpmuon.experiments.bc_fair import CONTENDERS, PUBLISH_DIAGNOSTICS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
-from dpmuon.experiments.bc_fair_report import (
+from studies.bc_fair import CONTENDERS, PUBLISH_DIAGNOSTICS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
+from studies.bc_fair_report import (
     comparisons_markdown,
     gap_changes_markdown,
     horizon_markdown,
@@ -112,9 +112,9 @@ def test_the_runner_restores_the_kept_public_model_and_refuses_another(tmp_path,
     runs, and refuses one whose weights differ from those the committed runs started from."""
     from conftest import tiny_gpt2
 
-    from dpmuon.experiments import bc_fair
     from dpmuon.models import weights_fingerprint
     from dpmuon.run_folder import WEIGHTS_FINGERPRINT
+    from studies import bc_fair
 
     results, restored = tmp_path / "fair", tmp_path / "models" / "public-for-e2e"
     model = tiny_gpt2()
@@ -130,7 +130,7 @@ def test_the_runner_restores_the_kept_public_model_and_refuses_another(tmp_path,
 
 
 def test_run_stage_runs_only_that_stage_once_its_inputs_are_in(tmp_path, monkeypatch):
-    from dpmuon.experiments import bc_fair
+    from studies import bc_fair
 
     ran = []
 
@@ -170,7 +170,7 @@ def test_a_variants_change_in_the_gap_is_paired_by_seed_against_the_default(tmp_
 def test_a_runner_stops_when_another_holds_every_run_left(tmp_path, monkeypatch):
     """Two runners share one job list; the one left with only the other's runs must stop, not
     loop on them (a skipped job is not published, so it stays pending)."""
-    from dpmuon.experiments import bc_fair
+    from studies import bc_fair
 
     passes = []
     monkeypatch.setattr(bc_fair, "public_model", lambda results: None)

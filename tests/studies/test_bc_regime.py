@@ -8,10 +8,10 @@ import stat
 
 import pytest
 
-from dpmuon.experiments import bc_regime
-from dpmuon.experiments import jobs as jobs_module
-from dpmuon.experiments.jobs import Job, run_job
 from dpmuon.privacy.randomness import OS_ENTROPY, USER_SEED
+from studies import bc_regime
+from studies import jobs as jobs_module
+from studies.jobs import Job, run_job
 
 RATES = {"dp_muon": 0.01, "dp_muonbc": 0.003}
 
@@ -112,7 +112,7 @@ def _fake_run(root, stage, name, optimizer, test_nll, snr=0.01, gain=0.02, lr=0.
 
 
 def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
-    from dpmuon.experiments import bc_regime_report as report
+    from studies import bc_regime_report as report
 
     for seed, (muon, bc) in enumerate([(2.70, 2.80), (2.75, 2.80)]):
         _fake_run(tmp_path, "runs", f"dp_muon_eps8_seed{seed}", "dp_muon", muon, snr=0.02 * (seed + 1))
@@ -143,7 +143,7 @@ def test_the_report_pairs_runs_by_seed_and_says_what_was_not_run(tmp_path):
 
 
 def test_the_report_refuses_a_run_that_did_not_draw_the_shared_seed(tmp_path):
-    from dpmuon.experiments import bc_regime_report as report
+    from studies import bc_regime_report as report
 
     _fake_run(tmp_path, "runs", "dp_muon_eps8_seed0", "dp_muon", 2.70)
     _fake_run(tmp_path, "runs", "dp_muonbc_eps8_seed0", "dp_muonbc", 2.80, randomness=OS_ENTROPY)  # e.g. resumed without its seed
@@ -153,7 +153,7 @@ def test_the_report_refuses_a_run_that_did_not_draw_the_shared_seed(tmp_path):
 
 def test_snr_extrapolation_recovers_mean_and_variance_from_two_lots():
     """SNR_B ∝ E_B·B² with E_B = μ² + V/B: two lots give μ² and V, hence the SNR at lot 1024."""
-    from dpmuon.experiments.bc_regime_report import extrapolate_snr
+    from studies.bc_regime_report import extrapolate_snr
 
     mean, variance = 2e-9, 3e-7
     snr = {b: (mean + variance / b) * b**2 for b in (8, 16)}

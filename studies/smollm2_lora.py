@@ -2,8 +2,8 @@
 rank-8 LoRA adapters, DP fine-tuned on E2E at ε = 8 (conf/experiment/smollm2_lora_e2e.yaml),
 DP-Adam and DP-Muon, one seed each, one CPU thread each.
 
-    python -m dpmuon.experiments.smollm2_lora run [--jobs 2]   # the runs (resumable; ~1 h each)
-    python -m dpmuon.experiments.smollm2_lora report           # results/smollm2_lora/e2e/table.*
+    python -m studies.smollm2_lora run [--jobs 2]   # the runs (resumable; ~1 h each)
+    python -m studies.smollm2_lora report           # results/smollm2_lora/e2e/table.*
 
 Each run draws its own secret mechanism randomness (nothing is paired here).
 """
@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..eval.cli import tables_main
+from dpmuon.eval import tables_main
+
 from .jobs import REPO, Job, run_jobs
 
 OPTIMIZERS = ("dp_adam", "dp_muon")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dpmuon.experiments import jobs
-from dpmuon.experiments.jobs import Job
+from studies import jobs
+from studies.jobs import Job
 
 
 def test_every_job_runs_past_a_failure_and_the_failures_are_named(tmp_path, monkeypatch):

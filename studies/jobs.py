@@ -13,12 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..paths import REPO_ROOT
-from ..privacy.seed import MECHANISM_SEED_ENV
-from ..privacy.state import has_saved_state
-from ..run_folder import PUBLISHED, RUNNER_LOCK, is_finished
+from dpmuon.privacy import MECHANISM_SEED_ENV, has_saved_state
+from dpmuon.run_folder import PUBLISHED, RUNNER_LOCK, is_finished
 
-REPO = REPO_ROOT
+REPO = Path(__file__).resolve().parents[1]  # the repository the studies run in
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ DP-Adam, DP-Muon, DP-MuonBC and DP-MuonBC with `match_norm` on SmolLM2-135M + Lo
 own tuned rate, paired by mechanism seed, judged by the rule pre-registered in
 results/smollm2_fair/preregistration.md before any final run.
 
-    python -m dpmuon.experiments.smollm2_fair run [--jobs 1]   # every run whose inputs exist (resumable)
-    python -m dpmuon.experiments.smollm2_fair list             # every run known so far: done or to do
+    python -m studies.smollm2_fair run [--jobs 1]   # every run whose inputs exist (resumable)
+    python -m studies.smollm2_fair list             # every run known so far: done or to do
 
 The setting (conf/experiment/smollm2_lora_e2e.yaml plus SETTING): LoRA r = 8, α = 16 on all seven
 projections, nothing else trained (checked before the first run: every trained tensor a matrix,
@@ -33,7 +33,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..eval.runs import SUMMARY_FILE, read_summary
+from dpmuon.eval import SUMMARY_FILE, read_summary
+
 from .bc_regime import MechanismSeeds
 from .jobs import REPO, Job, run_jobs
 
@@ -144,9 +145,9 @@ def is_published(results: Path, job: Job) -> bool:
 def check_only_matrices_train() -> None:
     """Refuse to start unless every tensor the study's runs train is a matrix (the setting's
     premise: DP-Adam and DP-Muon then update exactly the same tensors)."""
-    from ..config.compose import compose_config
-    from ..data.tokenizer import load_tokenizer
-    from ..models import build_model
+    from dpmuon.config import compose_config
+    from dpmuon.data import load_tokenizer
+    from dpmuon.models import build_model
 
     cfg = compose_config(*overrides("dp_muon", MUON_RATES[0], SEED_TUNE))
     model = build_model(cfg.model, load_tokenizer(cfg.model.tokenizer, cfg.model.get("bpe_merges")))

@@ -1,10 +1,10 @@
 """The committed CPU-scale reproduction (results/<dataset>/): tune, train, publish, report.
 
-    python -m dpmuon.experiments.reproduce_cpu --dataset e2e             # everything (resumable)
-    python -m dpmuon.experiments.reproduce_cpu --dataset dart --jobs 2   # two runs at a time, 1 thread each
-    python -m dpmuon.experiments.reproduce_cpu --dataset e2e --dry-run   # list the runs
+    python -m studies.reproduce_cpu --dataset e2e             # everything (resumable)
+    python -m studies.reproduce_cpu --dataset dart --jobs 2   # two runs at a time, 1 thread each
+    python -m studies.reproduce_cpu --dataset e2e --dry-run   # list the runs
 
-(scripts/reproduce_cpu.py runs the same.)
+(studies/reproduce_cpu.py runs the same.)
 
 Stages (each skips what is already done — a run whose working directory or published copy
 under results/ has a summary.json — and resumes killed runs):
@@ -29,9 +29,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..config.roster import optimizer_names
-from ..eval.runs import Run, read_metrics, read_summary
-from ..run_folder import METRICS, SUMMARY, WEIGHTS_FINGERPRINT, is_finished
+from dpmuon.config import optimizer_names
+from dpmuon.eval import Run, read_metrics, read_summary
+from dpmuon.run_folder import METRICS, SUMMARY, WEIGHTS_FINGERPRINT, is_finished
+
 from .jobs import REPO, Job, publish, run_jobs
 
 DP_OPTIMIZERS = optimizer_names(private=True)  # conf/optimizer/*.yaml with private: true

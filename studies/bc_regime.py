@@ -1,7 +1,7 @@
 """When does DP-MuonBC help? The regime map of results/bc_regime/.
 
-    python -m dpmuon.experiments.bc_regime run [--jobs 2]   # every run (resumable; skips what is done)
-    python -m dpmuon.experiments.bc_regime list             # the runs, in the order they are run
+    python -m studies.bc_regime run [--jobs 2]   # every run (resumable; skips what is done)
+    python -m studies.bc_regime list             # the runs, in the order they are run
 
 The committed CPU study's setting (experiment=pretrained_tiny_e2e: the publicly pretrained tiny model, lot
 256, 100 steps, per-matrix C = 0.1) with oracle alignment diagnostics on, at the learning rate
@@ -28,10 +28,11 @@ import secrets
 import sys
 from pathlib import Path
 
-from ..eval.runs import Run, read_summary
-from ..jsontext import to_json
-from ..privacy.plan import PRV_MAX_EPSILON
-from ..run_folder import SUMMARY, WEIGHTS_FINGERPRINT, is_finished
+from dpmuon.eval import Run, read_summary
+from dpmuon.jsontext import to_json
+from dpmuon.privacy import PRV_MAX_EPSILON
+from dpmuon.run_folder import SUMMARY, WEIGHTS_FINGERPRINT, is_finished
+
 from .jobs import REPO, Job, publish, run_jobs
 
 EPSILONS = (8, 32, 128, 1024)
@@ -156,7 +157,7 @@ class MechanismSeeds:
 def publish_public_model(dest: Path) -> None:
     """The provenance of the public model every run starts from: its pretraining run's files
     and the weights' fingerprint (a rebuild draws other lots, so it is another model)."""
-    from ..models import load_pretrained, weights_fingerprint
+    from dpmuon.models import load_pretrained, weights_fingerprint
 
     public_run = REPO / "outputs" / "public_for_e2e" / "seed0"
     if (dest / WEIGHTS_FINGERPRINT).exists() or not is_finished(public_run):

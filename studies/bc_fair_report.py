@@ -1,6 +1,6 @@
 """The fair comparison's table and figure from its published runs (results/bc_regime/fair/).
 
-    python -m dpmuon.experiments.bc_fair_report [results/bc_regime/fair]
+    python -m studies.bc_fair_report [results/bc_regime/fair]
 
 Writes `fair.md` next to the runs (every comparison paired by mechanism seed, with a t-based 95%
 confidence interval over seeds, the paired Δ along the long horizon, and what the oracle saw in
@@ -25,11 +25,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from ..eval.runs import SUMMARY_FILE, Run, read_summary  # noqa: E402
-from ..paths import REPO_ROOT  # noqa: E402
-from ..privacy.randomness import USER_SEED  # noqa: E402
+from dpmuon.eval import SUMMARY_FILE, Run, read_summary  # noqa: E402
+from dpmuon.privacy import USER_SEED  # noqa: E402
+
 from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, SEEDS_FILE, VARIANTS, tuning_grid  # noqa: E402
 from .bc_regime_report import gain_figure  # noqa: E402
+from .jobs import REPO  # noqa: E402
 
 NOT_RUN = "not run yet"
 NOT_IN_GRID = "not in the grid"  # a rate another contender's grid grew to
@@ -314,7 +315,7 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
     table, figure, alignment = out / "fair.md", out / "paired_delta.png", out / "alignment_vs_snr.png"
     header = (
         "# DP-MuonBC compared fairly (pretrained tiny model, E2E, lot 256, ε = 8)\n\n"
-        "From `python -m dpmuon.experiments.bc_fair_report`; runs from `python -m dpmuon.experiments.bc_fair run`.\n\n"
+        "From `python -m studies.bc_fair_report`; runs from `python -m studies.bc_fair run`.\n\n"
         f"{published_seeds_note(root)}\n\n"
     )
     finals = load(root, "finals")
@@ -327,7 +328,7 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    for path in write_report(Path(argv[0]) if argv else REPO_ROOT / "results" / "bc_regime" / "fair"):
+    for path in write_report(Path(argv[0]) if argv else REPO / "results" / "bc_regime" / "fair"):
         print(f"wrote {path}")
     return 0
 

@@ -1,6 +1,6 @@
 """The SmolLM2 + LoRA study's report and its pre-registered decision rule (results/smollm2_fair/).
 
-    python -m dpmuon.experiments.smollm2_fair_report [results/smollm2_fair]
+    python -m studies.smollm2_fair_report [results/smollm2_fair]
 
 Writes `fair.md` (the tuning table; each arm's finals; the paired Δ with t(n−1) 95% intervals
 and per-seed signs; H1 and H2 as the rule in preregistration.md reads them) and
@@ -23,7 +23,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from ..eval.runs import Run  # noqa: E402
+from dpmuon.eval import Run  # noqa: E402
+
 from .bc_fair_report import NOT_RUN, load, published_seeds_note  # noqa: E402
 from .smollm2_fair import ARMS, EXTRA_SEEDS, RESULTS, SEEDS, picks, tune_name  # noqa: E402
 
@@ -221,7 +222,7 @@ def write_report(results: Path, out: Path | None = None) -> list[Path]:
     finals = load(results, "finals")
     header = (
         "# DP-Adam vs DP-Muon vs DP-MuonBC on SmolLM2-135M + LoRA (E2E, lot 64, 100 steps, ε = 8)\n\n"
-        "From `python -m dpmuon.experiments.smollm2_fair_report`; runs from `python -m dpmuon.experiments.smollm2_fair run`; "
+        "From `python -m studies.smollm2_fair_report`; runs from `python -m studies.smollm2_fair run`; "
         "the decision rule was committed in `preregistration.md` before the study's first run.\n\n"
         f"{published_seeds_note(results)}\n\n"
     )

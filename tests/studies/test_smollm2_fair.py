@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from helpers_runs import write_run
 
-from dpmuon.experiments.smollm2_fair import ADAM_RATES, ARMS, EXTRA_SEEDS, MUON_RATES, SEED_TUNE, SEEDS, jobs, picks, tune_name
-from dpmuon.experiments.smollm2_fair_report import h1, h2, load, write_report
+from studies.smollm2_fair import ADAM_RATES, ARMS, EXTRA_SEEDS, MUON_RATES, SEED_TUNE, SEEDS, jobs, picks, tune_name
+from studies.smollm2_fair_report import h1, h2, load, write_report
 
 
 def tune(results: Path, arm: str, lr: float, nll: float) -> None:

@@ -1,6 +1,6 @@
 """The regime map's report, from the published runs of results/bc_regime/ only.
 
-    python -m dpmuon.experiments.bc_regime_report [results/bc_regime]
+    python -m studies.bc_regime_report [results/bc_regime]
 
 Writes regime.md (the map per ε, the learning-rate check, the ablations), regime.csv (one row
 per ε), delta_vs_snr.png (paired ΔNLL against the buffers' median true SNR) and
@@ -25,10 +25,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from ..eval.runs import SUMMARY_FILE, Run, read_json_object, read_run_rows
-from ..paths import REPO_ROOT
-from ..privacy.randomness import USER_SEED
+from dpmuon.eval import SUMMARY_FILE, Run, read_json_object, read_run_rows
+from dpmuon.privacy import USER_SEED
+
 from .bc_regime import ABLATIONS, EPSILONS, OPTIMIZERS, RULE, SEEDS
+from .jobs import REPO
 
 NOT_RUN = "not run yet"
 _PNG_METADATA = {"Software": None}  # no matplotlib version stamp: reproducible files
@@ -479,7 +480,7 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    root = Path(argv[0]) if argv else REPO_ROOT / "results" / "bc_regime"
+    root = Path(argv[0]) if argv else REPO / "results" / "bc_regime"
     for path in write_report(root):
         print(f"wrote {path}")
     return 0
