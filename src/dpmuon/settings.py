@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, shown_value
+from .errors import ConfigError, UserError, shown_value
 
 REQUIRED = dataclasses.MISSING  # an option without a default: the config must give it
 
@@ -85,7 +85,10 @@ def defaults_of(cls: type) -> dict:
     return out
 
 
-def settings(group: str, target: bool = True) -> Callable[[type], type]:
+_REGISTERED: dict[str, dict[str, type]] = {}  # group → name → settings class (`@settings(group, name=...)`)
+
+
+def settings(group: str, target: bool = True, name: str | None = None) -> Callable[[type], type]:
     """Class decorator: store the options of a settings class, with their defaults and (target)
     its `_target_`, in Hydra's ConfigStore as `settings/<group>/<ClassName>`. A YAML of
     conf/<group>/ lists it first in its defaults and sets only what differs:
@@ -96,6 +99,9 @@ def settings(group: str, target: bool = True) -> Callable[[type], type]:
 
     A group whose YAMLs may name one of several classes (optimizer, dataset, model) keeps the
     `_target_`; a group with one class of its own (privacy) has none: the schema knows it.
+    `name` registers the class under that name (its `name` option's default; `registered(group)`
+    lists them): the one list of a group's entries that code outside the configs reads, e.g.
+    `dpmuon.optim.build("dp_muon", ...)`.
     """
     from hydra.core.config_store import ConfigStore
 
@@ -103,10 +109,45 @@ def settings(group: str, target: bool = True) -> Callable[[type], type]:
         cls.settings_group = group
         node = {"_target_": f"{cls.__module__}.{cls.__qualname__}"} if target else {}
         node |= defaults_of(cls)
+        if name is not None:
+            taken = _REGISTERED.setdefault(group, {}).get(name)
+            if taken is not None and taken.__qualname__ != cls.__qualname__:
+                raise ValueError(f"@settings({group!r}, name={name!r}): {taken.__qualname__} is registered under that name already")
+            _REGISTERED[group][name] = cls
+            node["name"] = name
         ConfigStore.instance().store(group=f"settings/{group}", name=cls.__name__, node=node)
         return cls
 
     return store
+
+
+def registered(group: str) -> dict[str, type]:
+    """The settings classes registered in `group` by name (`@settings(group, name=...)`)."""
+    return dict(_REGISTERED.get(group, {}))
+
+
+def check_settings_stored(config_dir: str | Path) -> None:
+    """Every YAML that lists a settings class (`/settings/<group>/<Class>`) names one that an
+    imported module stored with `@settings(<group>)`; else Hydra would fail every run, even one
+    that never selects that YAML, with a traceback that does not name the file."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.plugins.config_source import ConfigLoadError
+    from omegaconf import DictConfig, OmegaConf
+
+    for path in sorted(Path(config_dir).glob("*/*.yaml")):
+        own = OmegaConf.load(path)
+        entries = own.get("defaults", []) if isinstance(own, DictConfig) else []
+        for entry in (e for e in entries if isinstance(e, str) and e.startswith("/settings/")):
+            try:
+                ConfigStore.instance().load(f"{entry.split('@')[0].lstrip('/')}.yaml")
+            except ConfigLoadError:
+                group, name = entry.split("@")[0].split("/")[2:4]
+                stored = sorted(ConfigStore.instance().repo["settings"].get(group, {}))
+                raise UserError(
+                    f"{path.relative_to(Path(config_dir).parent)}: lists the settings class {name}, which no imported module stored with "
+                    f"@settings({group!r}) (stored: {', '.join(s.removesuffix('.yaml') for s in stored)}); "
+                    f"import the module that defines it in dpmuon/config/__init__.py"
+                ) from None
 
 
 # -- checking an option's value (the command line's validation and a class's own) -------------

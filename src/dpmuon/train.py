@@ -37,6 +37,7 @@ from .outcomes import (
     say,
 )
 from .run_folder import NOT_A_RUN, STORED_CONFIG, is_finished
+from .settings import check_settings_stored
 from .training.secret import (
     MECHANISM_SEED_ENV,
     SEED_FILE_KEY,
@@ -193,7 +194,10 @@ def cli() -> None:
     if "--options" in sys.argv[1:]:
         from .config.options import describe_options
 
-        print(describe_options(CONFIG_DIR))
+        try:
+            print(describe_options(CONFIG_DIR))
+        except UserError as err:
+            exit_with_error(str(err))
         return
     if "--debug" in sys.argv[1:]:
         sys.argv.remove("--debug")
@@ -206,6 +210,7 @@ def cli() -> None:
     if problem:
         exit_with_error(problem)
     try:  # config errors, a busy or taken run folder: refused before Hydra creates or writes anything
+        check_settings_stored(CONFIG_DIR)
         sys.argv[1:] = prepare_launch(sys.argv[1:])
     except UserError as err:
         exit_with_error(str(err))

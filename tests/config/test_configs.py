@@ -128,10 +128,11 @@ def test_roster_is_read_by_makefile_sweeps_eval_and_scripts():
         swept = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{sweep}.yaml").hydra.sweeper.params.optimizer
         [override] = OverridesParser.create().parse_overrides([f"optimizer={swept}"])  # as Hydra's sweeper does
         assert list(override.sweep_string_iterator()) == list(optimizer_names(private=True))
-    # dpmuon.optim.build's names for the built-in private optimizers are the roster's, class for class
-    from dpmuon.optim.for_release import NAMES
+    # dpmuon.optim.build's names (the classes registered by name) are the private roster's, class for class
+    from dpmuon.settings import registered
 
-    assert {name: f"{cls.__module__}.{cls.__qualname__}" for name, cls in NAMES.items()} == {e.name: e.target for e in optimizer_roster() if e.private}
+    built_in = {name: f"{cls.__module__}.{cls.__qualname__}" for name, cls in registered("optimizer").items() if cls.__module__.startswith("dpmuon.")}
+    assert built_in == {e.name: e.target for e in optimizer_roster() if e.private}
 
 
 @pytest.mark.parametrize("optimizer", GROUPS["optimizer"])

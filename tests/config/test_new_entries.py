@@ -17,15 +17,17 @@ import torch
 from omegaconf import OmegaConf
 
 from dpmuon.config import compose_config, validate
+from dpmuon.config.options import describe_options
 from dpmuon.config.schema import ConfigError
 from dpmuon.data import DatasetSettings, Example, encode_for_training
+from dpmuon.errors import UserError
 from dpmuon.optim import OptimizerSettings
 from dpmuon.paths import CONFIG_DIR
 from dpmuon.settings import option, settings
 from dpmuon.training.loop import run
 
 
-@settings("optimizer")
+@settings("optimizer", name="dp_scaled_sgd")
 @dataclass(kw_only=True)
 class ScaledSGDSettings(OptimizerSettings):
     """SGD whose step is `scale` times the learning rate: an option of its own."""
@@ -74,9 +76,7 @@ def config_dir(tmp_path):
         pytest.skip("DPMUON_TOKENIZER not set to a local tokenizer directory")
     conf = tmp_path / "conf"
     shutil.copytree(CONFIG_DIR, conf)
-    (conf / "optimizer" / "dp_scaled_sgd.yaml").write_text(
-        "defaults:\n  - /settings/optimizer/ScaledSGDSettings@_here_\n  - _self_\nname: dp_scaled_sgd\nscale: 0.5\n"
-    )
+    (conf / "optimizer" / "dp_scaled_sgd.yaml").write_text("defaults:\n  - /settings/optimizer/ScaledSGDSettings@_here_\n  - _self_\nscale: 0.5\n")
     (conf / "dataset" / "counting.yaml").write_text("defaults:\n  - /settings/dataset/CountingSettings@_here_\n  - _self_\ntrain_size: 300\n")
     return str(conf)
 
@@ -106,9 +106,10 @@ def test_their_own_options_are_checked_in_one_line(config_dir, override, message
         validate(cfg)
 
 
-def test_a_new_optimizer_trains_through_optim_build_and_dp_trainer_by_its_class(tmp_path):
-    """No list to extend: `dpmuon.optim.build` and `DPTrainer(optimizer=...)` take the settings class
-    itself, and the Trainer's rate and weight decay reach its options."""
+def test_a_new_optimizer_trains_through_optim_build_and_dp_trainer(tmp_path):
+    """No list to extend: `dpmuon.optim.build` finds the class by the name it registered,
+    `DPTrainer(optimizer=...)` takes the class itself, and the Trainer's rate and weight decay
+    reach its options."""
     import dpmuon
     from dpmuon.integrations.hf import DPTrainer, DPTrainingArguments
     from dpmuon.models import Shape, build_random_lm, per_example_lm_loss
@@ -126,7 +127,7 @@ def test_a_new_optimizer_trains_through_optim_build_and_dp_trainer_by_its_class(
     privacy = dict(target_epsilon=50.0, delta=1e-3, expected_lot_size=16, noise_multiplier=0.6, accountant="rdp")
     net = model()
     private = dpmuon.make_private(net, rows, collate, per_example_lm_loss, run_dir=tmp_path / "facade", steps=2, micro_batch_size=8, **privacy)
-    optimizer = dpmuon.optim.build(ScaledSGDSettings, net, private, lr=0.4, scale=0.5)
+    optimizer = dpmuon.optim.build("dp_scaled_sgd", net, private, lr=0.4, scale=0.5)
     assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     for lot in private.lots():
@@ -142,3 +143,37 @@ def test_a_new_optimizer_trains_through_optim_build_and_dp_trainer_by_its_class(
     trainer.train()
     group = trainer.optimizer.param_groups[0]
     assert (group["lr"], group["weight_decay"], trainer.state.global_step) == (pytest.approx(0.4), 0.01, 2)
+
+
+@pytest.fixture
+def conf_copy(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONFIG_DIR, conf)
+    return conf
+
+
+def test_a_yaml_whose_settings_class_no_module_stored_is_one_line_naming_it(conf_copy):
+    """Before, Hydra failed every run (even one that never selected the YAML) with a traceback."""
+    (conf_copy / "optimizer" / "dp_lion.yaml").write_text("defaults:\n  - /settings/optimizer/LionSettings@_here_\n  - _self_\n")
+    message = r"^conf/optimizer/dp_lion.yaml: lists the settings class LionSettings, which no imported module stored with "
+    message += r"@settings\('optimizer'\) \(stored: .*AdamSettings"
+    with pytest.raises(UserError, match=message):
+        compose_config("optimizer=dp_adam", config_dir=str(conf_copy))
+    with pytest.raises(UserError, match=message):
+        describe_options(str(conf_copy))
+
+
+def test_a_roster_yaml_named_unlike_its_optimizer_is_refused(conf_copy, monkeypatch):
+    """A copy of dp_adam.yaml under another file name inherits the name dp_adam: two roster rows
+    would claim one name (and tables would merge their runs)."""
+    from dpmuon.config import roster
+
+    (conf_copy / "optimizer" / "dp_adam_wd.yaml").write_text("defaults:\n  - dp_adam\n  - _self_\nweight_decay: 0.1\n")
+    monkeypatch.setattr(roster, "OPTIMIZER_DIR", conf_copy / "optimizer")
+    monkeypatch.setattr(roster, "CONFIG_DIR", conf_copy)
+    roster.optimizer_roster.cache_clear()
+    try:
+        with pytest.raises(UserError, match=r"^conf/optimizer/dp_adam_wd.yaml: name: dp_adam \(inherited\), not the file's name; set name: dp_adam_wd in it$"):
+            roster.optimizer_roster()
+    finally:
+        roster.optimizer_roster.cache_clear()

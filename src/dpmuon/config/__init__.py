@@ -6,7 +6,6 @@ from ..data import dart, e2e, hf  # noqa: F401
 from ..models import settings as model_settings  # noqa: F401
 from ..optim import settings as optimizer_settings  # noqa: F401
 from .compose import compose_config
-from .roster import optimizer_names
 from .schema import ConfigError, Option, validate
 
-__all__ = ["ConfigError", "Option", "compose_config", "optimizer_names", "validate"]
+__all__ = ["ConfigError", "Option", "compose_config", "validate"]

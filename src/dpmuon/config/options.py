@@ -13,6 +13,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from ..settings import check_settings_stored
 from .schema import GROUP_CLASSES, Option, repo_options, shown_value
 
 GROUPS = ("dataset", "model", "optimizer", "privacy", "recipe", "logger")  # conf/<group>/*.yaml
@@ -21,6 +22,7 @@ MISSING = object()
 
 
 def describe_options(config_dir: str) -> str:
+    check_settings_stored(config_dir)
     defaults = collect_defaults(config_dir)
     choices = {group: group_options(config_dir, group) for group in (*GROUPS, "experiment")}
     lines = ["dpmuon options: python -m dpmuon.train [group=option ...] [key=value ...]", ""]

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from ..errors import UserError
 from ..paths import CONFIG_DIR
+from ..settings import check_settings_stored
+
+__all__ = ["RosterEntry", "optimizer_names", "optimizer_roster"]
 
 OPTIMIZER_DIR = CONFIG_DIR / "optimizer"
 
@@ -47,9 +51,12 @@ def stored_settings(entry: str) -> DictConfig:
 @functools.cache
 def optimizer_roster() -> tuple[RosterEntry, ...]:
     """Every optimizer of conf/optimizer/, in display order (rank, then name)."""
+    check_settings_stored(CONFIG_DIR)
     entries = []
     for path in OPTIMIZER_DIR.glob("*.yaml"):
         cfg = group_yaml("optimizer", path.stem)
+        if cfg.get("name") != path.stem:
+            raise UserError(f"conf/optimizer/{path.name}: name: {cfg.get('name')} (inherited), not the file's name; set name: {path.stem} in it")
         entries.append(RosterEntry(path.stem, str(cfg._target_), bool(cfg.private), int(cfg.display.rank), str(cfg.display.color)))
     return tuple(sorted(entries, key=lambda e: (e.rank, e.name)))
 
@@ -77,7 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     which.add_argument("--non-private", action="store_true", help="only the non-private references")
     args = parser.parse_args(argv)
     private = True if args.private else False if args.non_private else None
-    print(",".join(optimizer_names(private)))
+    try:
+        print(",".join(optimizer_names(private)))
+    except UserError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ The mechanism is the façade's (`dpmuon.make_private`, facade.py), run dir = `ou
   step asks for it; `per_device_train_batch_size` is the micro-batch the lot is cut into (the lot's size is
   `privacy["expected_lot_size"]` in expectation);
 - `training_step` releases the lot (clip, noise, fsynced ledger line, accountant → p.grad) and calls no backward;
-- the optimizer is dpmuon's (dp_sgd, dp_adam, dp_muon, dp_muonbc) with `learning_rate`, `weight_decay` and Adam's
+- the optimizer is dpmuon's (dp_sgd, dp_adam, dp_muon, dp_muonbc, any name a settings class registered,
+  or the class itself) with `learning_rate`, `weight_decay` and Adam's
   betas/epsilon from the arguments (`optimizer_kwargs` for the rest), scheduled over the plan's steps;
 - the plan has `max_steps` releases when given (Trainer's own precedence), else ⌈num_train_epochs / q⌉; Trainer steps
   = plan steps, and the logged `epoch` is the expected passes over the data (steps × q);
@@ -160,7 +161,7 @@ def refuse_unsafe_arguments(args: TrainingArguments) -> None:
         ),
         (
             args.optim != field_default("optim"),
-            f"optim={args.optim}: the optimizer is dpmuon's; choose it with DPTrainer(optimizer='dp_sgd'|'dp_adam'|'dp_muon'|'dp_muonbc')",
+            f"optim={args.optim}: the optimizer is dpmuon's; choose it with DPTrainer(optimizer='dp_sgd'|'dp_adam'|'dp_muon'|'dp_muonbc' or a settings class)",
         ),
         (
             args.label_smoothing_factor != 0,

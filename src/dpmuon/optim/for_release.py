@@ -14,11 +14,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .settings import AdamSettings, MuonBCSettings, MuonSettings, OptimizerInputs, OptimizerSettings, SGDSettings
-
-# The built-in optimizers by the names the driver's roster gives them (conf/optimizer/dp_*.yaml;
-# tests/config/test_configs.py checks they agree). Any other is given by its settings class.
-NAMES = {"dp_sgd": SGDSettings, "dp_adam": AdamSettings, "dp_muon": MuonSettings, "dp_muonbc": MuonBCSettings}
+from ..settings import registered
+from .settings import OptimizerInputs, OptimizerSettings
 
 
 class ReleasedParameters(Protocol):
@@ -31,12 +28,14 @@ class ReleasedParameters(Protocol):
 
 
 def settings_class(name: str | type[OptimizerSettings]) -> type[OptimizerSettings]:
-    """The settings class of a built-in optimizer's name, or the class given (a new optimizer's)."""
+    """The settings class registered under `name` (`@settings("optimizer", name=...)`: the
+    built-in dp_sgd, dp_adam, dp_muon, dp_muonbc, and any imported module's), or the class given."""
     if isinstance(name, type) and issubclass(name, OptimizerSettings):
         return name
-    if name not in NAMES:
-        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(NAMES)}, or an OptimizerSettings subclass")
-    return NAMES[name]
+    names = registered("optimizer")
+    if name not in names:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(names)}, or an OptimizerSettings subclass")
+    return names[name]
 
 
 def build(

@@ -7,8 +7,9 @@ optimizer from what the release makes public: the named trainable parameters, wh
 hidden-layer matrices (and their storage layout), and the per-entry noise std of each one's
 released gradient (0 for a non-private run). This module imports torch only in `build`, so that
 reading the options is light. A new optimizer is its settings class plus one YAML that lists it
-in its defaults. The learning rate has no default (it depends on the task): the experiment's
-recipe or the caller gives it.
+in its defaults; `@settings("optimizer", name=...)` registers the class under the name its YAML
+has, for `dpmuon.optim.build` and `DPTrainer`. The learning rate has no default (it depends on
+the task): the experiment's recipe or the caller gives it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def build_optimizer(section: Mapping, inputs: OptimizerInputs) -> torch.optim.Op
     return instantiate(section, _convert_="all").build(inputs)
 
 
-@settings("optimizer")
+@settings("optimizer", name="dp_sgd")
 @dataclass(kw_only=True)
 class SGDSettings(OptimizerSettings):
     momentum: float = option(0.0, "momentum β", ge=0, lt=1)
@@ -74,7 +75,7 @@ class SGDSettings(OptimizerSettings):
         return torch.optim.SGD(list(inputs.params.values()), lr=self.lr, momentum=self.momentum, nesterov=self.nesterov, weight_decay=self.weight_decay)
 
 
-@settings("optimizer")
+@settings("optimizer", name="dp_adam")
 @dataclass(kw_only=True)
 class AdamSettings(OptimizerSettings):
     betas: list = option(factory=lambda: [0.9, 0.999], help="Adam's (β1, β2)", kind="betas")
@@ -103,7 +104,7 @@ def adamw(params, adam: AdamSettings | AdamPart) -> torch.optim.AdamW | None:
     return torch.optim.AdamW(params, lr=float(adam.lr), betas=tuple(adam.betas), eps=adam.eps, weight_decay=adam.weight_decay)
 
 
-@settings("optimizer")
+@settings("optimizer", name="dp_muon")
 @dataclass(kw_only=True)
 class MuonSettings(OptimizerSettings):
     """Muon on the hidden matrices, Adam(W) on every other tensor, both from the same gradient."""
@@ -162,7 +163,7 @@ class BiasCorrection:
     noise_std: str = option("buffer", "DP-MuonBC's s: the momentum buffer's noise std, or one step's release", choices=BC_NOISE_STDS)
 
 
-@settings("optimizer")
+@settings("optimizer", name="dp_muonbc")
 @dataclass(kw_only=True)
 class MuonBCSettings(MuonSettings):
     """DP-MuonBC: Muon with the Newton–Schulz output replaced by its bias-corrected estimate."""
