@@ -26,7 +26,7 @@ from transformers.integrations import TensorBoardCallback
 import dpmuon
 from dpmuon.errors import UserError
 from dpmuon.facade import Lot
-from dpmuon.integrations.hf import PRIVACY_RECORD, PRIVACY_SPENT, WITHHELD, DPTrainer, rotate_checkpoints_by_step
+from dpmuon.integrations.hf import PRIVACY_RECORD, PRIVACY_SPENT, WITHHELD, DPTrainer, PrivateLogs, rotate_checkpoints_by_step
 from dpmuon.models import Shape, build_random_lm, per_example_lm_loss
 from dpmuon.privacy import LEDGER_FILE, mechanism
 from dpmuon.privacy.accountant import epsilon_after
@@ -340,6 +340,28 @@ def test_no_time_speed_or_memory_is_logged_written_or_returned_and_the_train_los
     assert not {key for key in published if TIME_OR_MACHINE.search(key)}
     # Trainer's training_loss would be the mean of training_step's zeros: NaN, said "withheld".
     assert math.isnan(result.training_loss) and result.metrics["train_loss"] == WITHHELD
+
+
+def test_a_users_callback_sees_only_the_scrubbed_row_and_removing_the_scrubber_is_refused(tmp_path):
+    """The rows are scrubbed by a callback that runs first: a reporter or callback of the user's
+    (here one that records what on_log hands it) sees ε and no timing, and train() refuses to run
+    once that callback is gone."""
+    seen = []
+
+    class Recorder(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    args = arguments(tmp_path / "run", max_steps=2, logging_steps=1)
+    t = DPTrainer(model=tiny_model(), args=args, train_dataset=counting(N, seed=1), data_collator=collate, privacy=PRIVACY, callbacks=[Recorder()])
+    t.train()
+    assert len(seen) == 3 and all("epsilon" in row for row in seen)  # two steps, then train()'s summary row
+    assert not {key for row in seen for key in row if TIME_OR_MACHINE.search(key)} and not any("loss" in row for row in seen)
+    assert [row["epsilon"] for row in seen] == [row["epsilon"] for row in t.state.log_history]
+    t = trainer(tmp_path / "other", max_steps=2)
+    t.remove_callback(PrivateLogs)
+    with pytest.raises(UserError, match="PrivateLogs callback must stay first"):
+        t.train()
 
 
 def test_with_publish_timing_trainers_speed_metrics_are_kept(tmp_path):

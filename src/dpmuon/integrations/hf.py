@@ -17,7 +17,8 @@ The mechanism is the façade's (`dpmuon.make_private`, facade.py), run dir = `ou
   betas/epsilon from the arguments (`optimizer_kwargs` for the rest), scheduled over the plan's steps;
 - the plan has `max_steps` releases when given (Trainer's own precedence), else ⌈num_train_epochs / q⌉; Trainer steps
   = plan steps, and the logged `epoch` is the expected passes over the data (steps × q);
-- every log row carries `epsilon` (spent so far, from the ledger) and `output_dir/privacy_spent.json` holds it
+- every log row carries `epsilon` (spent so far, from the ledger; the `PrivateLogs` callback, first of the
+  callbacks, writes it and scrubs the row) and `output_dir/privacy_spent.json` holds it
   beside the ledger `output_dir/privacy_ledger.jsonl`. The lots' training loss is computed from the raw examples
   (outside the guarantee): it is not logged unless `log_nonprivate_train_loss=True`;
 - a checkpoint records the ledger's head (checkpoint-N/dpmuon_privacy.json, public) and the mechanism's secret
@@ -42,8 +43,8 @@ Trainer's private methods it overrides, three, each because no public hook reach
 needs none) and `_save_checkpoint` (the mechanism's record and secret state written before Trainer's files, and
 checkpoints rotated by step number since their times are frozen). The rest are public methods: the lots
 (`get_train_dataloader`, `set_initial_training_values`), the release (`training_step`, which calls no
-`compute_loss`, and `create_optimizer`), what is logged (`log`, `floating_point_ops`), what is written (`save_model`, `save_state`,
-`save_metrics`) and the plan's end (`train`).
+`compute_loss`, and `create_optimizer`), what is logged (`floating_point_ops`; the rows: the `PrivateLogs` callback),
+what is written (`save_model`, `save_state`, `save_metrics`) and the plan's end (`train`).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from typing import Any
 import datasets
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
 
@@ -299,6 +300,28 @@ class PoissonLots:
             yield trainer.draw_lot(step)
 
 
+class PrivateLogs(TrainerCallback):
+    """What a logged row carries: ε spent so far, epoch as the expected passes over the data (steps × q),
+    and neither timing nor memory (unless published) nor the raw lots' loss (unless asked for). It runs first
+    among the callbacks, so the reporters, the printer and `state.log_history` see only the scrubbed row."""
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # Before Trainer logs or saves this step: its epoch would be the fraction of the plan done.
+        state.epoch = state.global_step * self.trainer.private.plan.sample_rate
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # `logs` is also the metrics train() and evaluate() return; log_history[-1] is Trainer's copy of it.
+        for row in (logs, state.log_history[-1]):
+            for key in [k for k in row if not self.trainer.publish_timing and TIMING_LOG.search(k)]:
+                del row[key]
+            for key in () if self.trainer.log_nonprivate_train_loss else NONPRIVATE_LOGS:
+                row.pop(key, None)
+            row["epsilon"] = self.trainer.epsilon_spent()
+
+
 class DPTrainer(Trainer):
     """`transformers.Trainer` whose steps are dpmuon's private releases (see the module's docstring).
 
@@ -347,6 +370,7 @@ class DPTrainer(Trainer):
         self.next_step = 1  # the next release's number in the ledger
         self.budget_stopped = False
         self._epsilon_at: tuple[int, float] | None = None  # (charged releases, ε)
+        self.callback_handler.callbacks.insert(0, PrivateLogs(self))
 
     def _keep_timing_unpublished(self, args: TrainingArguments, callbacks: list) -> None:
         """Refuse the reporting integrations and memory metrics, and turn off the progress bar, unless timing is published."""
@@ -441,17 +465,6 @@ class DPTrainer(Trainer):
 
     # -- what is logged and written --------------------------------------------------------------------
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # In place: the dict is also the metrics train() and evaluate() return.
-        for key in [k for k in logs if not self.publish_timing and TIMING_LOG.search(k)]:
-            del logs[key]
-        for key in () if self.log_nonprivate_train_loss else NONPRIVATE_LOGS:
-            logs.pop(key, None)
-        logs["epsilon"] = self.epsilon_spent()
-        if self.is_in_train:  # Trainer's epoch would be the fraction of the plan: say the expected passes over the data
-            self.state.epoch = self.state.global_step * self.private.plan.sample_rate
-        super().log(logs, start_time)
-
     def epsilon_spent(self) -> float:
         """ε spent so far (the accountant's composition is not free: computed once per charged release count)."""
         charged = self.private.mechanism.release.accountant.steps
@@ -516,6 +529,8 @@ class DPTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
         if self.plan_done:
             raise UserError("DPTrainer.train: this trainer's plan is spent (every release made); a new plan needs a new output_dir")
+        if not isinstance(self.callback_handler.callbacks[0], PrivateLogs):
+            raise UserError("DPTrainer.train: its PrivateLogs callback must stay first (it keeps timing and the raw loss out of every row)")
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
