@@ -169,7 +169,9 @@ gpu_tests() {
 }
 
 smoke() {
-    "$PYTHON" -m dpmuon.train -m experiment=e2e optimizer=dp_sgd,dp_adam,dp_muon,dp_muonbc "${SMOKE_MODEL[@]}" \
+    local private
+    private="$("$PYTHON" -m dpmuon.config.roster --private)" || return 1  # every DP optimizer of conf/optimizer/
+    "$PYTHON" -m dpmuon.train -m experiment=e2e optimizer="$private" "${SMOKE_MODEL[@]}" \
         "${SMOKE[@]}" trainer.device="$DEVICE" trainer.precision=bf16 trainer.eval_every=0 trainer.checkpoint_every=0 \
         trainer.keep_checkpoint=false logging.progress=false logger=none hydra.sweep.dir="$OUT/smoke" || return 1
     "$PYTHON" scripts/make_tables.py "$OUT/smoke" --out "$OUT/tables" || return 1

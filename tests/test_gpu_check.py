@@ -12,10 +12,11 @@ import pytest
 import torch
 from helpers_train import require_real_data
 
+from dpmuon.config.roster import optimizer_names
 from dpmuon.paths import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "gpu_check.sh"
-DP_OPTIMIZERS = {"dp_sgd", "dp_adam", "dp_muon", "dp_muonbc"}
+DP_OPTIMIZERS = set(optimizer_names(private=True))
 
 
 def test_script_parses_and_refuses_bad_usage(tmp_path):

@@ -24,6 +24,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 
 import dpmuon
+from dpmuon.config.roster import optimizer_names
 from dpmuon.errors import UserError
 from dpmuon.facade import Lot
 from dpmuon.integrations.hf import PRIVACY_RECORD, PRIVACY_SPENT, WITHHELD, DPTrainer, PrivateLogs, rotate_checkpoints_by_step
@@ -142,7 +143,7 @@ def test_a_datasets_dataset_loses_the_columns_the_model_does_not_take_as_in_trai
     assert all(p.grad is not None for p in t.private.params.values())
 
 
-@pytest.mark.parametrize("name", ["dp_sgd", "dp_adam", "dp_muon", "dp_muonbc"])
+@pytest.mark.parametrize("name", optimizer_names(private=True))
 def test_each_optimizer_is_dpmuons_and_takes_the_trainers_rate(tmp_path, name):
     t = trainer(tmp_path / "run", optimizer=name, learning_rate=3e-3, privacy={"noise_multiplier": 2.0})
     optimizer = t.create_optimizer()

@@ -11,6 +11,7 @@ from helpers_tokenizers import StubTokenizer
 from helpers_train import compose_config, require_real_data
 from reference import PARTITIONS, assert_close_dicts, assert_close_norms, naive_reference, opacus_reference, partition_for
 
+from dpmuon.config.roster import optimizer_names
 from dpmuon.eval.runs import read_run_rows
 from dpmuon.models import Shape, build_model, build_random_lm, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss
 from dpmuon.privacy import build_engine
@@ -128,7 +129,7 @@ SMOKE = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("optimizer", ["dp_sgd", "dp_adam", "dp_muon", "dp_muonbc"])
+@pytest.mark.parametrize("optimizer", optimizer_names(private=True))
 def test_llama_tiny_smoke_run_of_each_dp_optimizer(tmp_path, optimizer):
     from dpmuon.training.loop import run
 
