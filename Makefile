@@ -41,7 +41,7 @@ bench-bias: ## Monte Carlo of the Newton–Schulz bias and DP-MuonBC's correctio
 data: ## Fetch raw E2E and DART into data/raw/ (or LINK=DIR to link a local copy)
 	$(PYTHON) scripts/download_data.py $(if $(LINK),--link $(LINK))
 
-smoke: ## One tiny private run on real data (DP-MuonBC on E2E; 1 min 37 s on an idle 2-core machine, see README)
+smoke: ## One tiny private run on real data (DP-MuonBC on E2E; 1 min 37 s on an idle 2-core machine, see README); offline without it, on a synthetic stand-in
 	$(PYTHON) -m dpmuon.train experiment=smoke optimizer=dp_muonbc dataset=e2e logger=none
 
 SEEDS ?= 0,1,2

@@ -23,6 +23,7 @@ OVERRIDES = [
     "privacy.expected_lot_size=16", "privacy.noise_multiplier=1.0", "trainer.steps=8", "trainer.micro_batch_size=8",
     "trainer.eval_every=3", "trainer.checkpoint_every=4", "eval.num_beams=1", "eval.max_new_tokens=4",
     "logging.progress=false", "logger=none", "trainer.num_threads=1",
+    "data.fallback=none",  # an empty data root must stop a run here, not switch it to the synthetic set
 ]  # fmt: skip
 SEEDED = [seed_file_override(11 << 100)]  # the resumed run reads the file its stored config names
 TIMING = {"step_seconds"}

@@ -23,6 +23,7 @@ from dpmuon.training.secret import MECHANISM_SEED_ENV, user_mechanism_secret
 
 SMALL = [
     "experiment=smoke",
+    "data.fallback=none",  # missing files must be an error here, not the synthetic set's cue
     "logging.progress=false",
     "model.n_layer=1",
     "model.n_embd=32",

@@ -178,7 +178,7 @@ def test_cross_field_rules_are_refused_before_anything_is_read(tmp_path, monkeyp
     def read(*args, **kwargs):
         raise AssertionError("read before the config was checked")
 
-    monkeypatch.setattr(loop, "load_tokenizer", read)
+    monkeypatch.setattr(loop, "load_tokenizer_or_stand_in", read)
     monkeypatch.setattr(loop, "prepare_data", read)
     with pytest.raises(ConfigError, match=f"^{refused}"):
         loop.run(compose_config(*OVERRIDES, *overrides), tmp_path / "run")

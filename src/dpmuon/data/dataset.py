@@ -73,3 +73,11 @@ class DataSettings(Settings):
     max_train_examples: int | None = option(None, "use only the first N training examples, in file order (null: all)", ge=1)
     max_valid_examples: int | None = option(1000, "use only the first N validation examples (null: all)", ge=1)
     max_test_sources: int | None = option(None, "score only the first N test sources (null: all)", ge=1)
+    # Only the smoke experiment turns it on: a real experiment must stop on missing data, never
+    # run on a stand-in. data/synthetic.py says what is written where; summary.json records it.
+    fallback: str = option(
+        "none",
+        "synthetic: with no E2E files under the data root, read a generated synthetic E2E-format set (not E2E), "
+        "and if the default gpt2 tokenizer cannot be loaded, a byte-level BPE trained on that set (none: stop instead)",
+        choices=("none", "synthetic"),
+    )

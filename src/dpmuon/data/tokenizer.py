@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -16,6 +17,7 @@ from dpmuon.jsontext import to_json
 TOKENIZER_VARIABLE = "DPMUON_TOKENIZER"
 DEFAULT_TOKENIZER = "gpt2"
 PAD_TOKEN = "<|pad|>"
+LOADED, STAND_IN = "loaded", "built locally"  # a run's tokenizer_source (summary.json)
 
 
 def load_tokenizer(name_or_path: str | None = None, bpe_merges: int | None = None) -> PreTrainedTokenizerBase:
@@ -26,13 +28,48 @@ def load_tokenizer(name_or_path: str | None = None, bpe_merges: int | None = Non
     training target here. The model's embedding must then be resized to `len(tokenizer)`.
     `bpe_merges=K` keeps only the first K merges of the byte-level BPE (see `truncate_bpe`).
     """
+    return _prepared(_from_pretrained(name_or_path or os.environ.get(TOKENIZER_VARIABLE) or DEFAULT_TOKENIZER), bpe_merges)
+
+
+def load_tokenizer_or_stand_in(
+    name_or_path: str | None, bpe_merges: int | None, fallback: str, log: Callable[[str], None]
+) -> tuple[PreTrainedTokenizerBase, str]:
+    """`load_tokenizer`, and where it cannot load the default "gpt2" and `fallback` is "synthetic"
+    (data.fallback), the byte-level BPE data/synthetic.py trains on its public synthetic set.
+    Returns (tokenizer, "loaded" or "built locally"). A tokenizer named otherwise (a directory,
+    $DPMUON_TOKENIZER) that fails to load fails the run: only the default stands in."""
     name = name_or_path or os.environ.get(TOKENIZER_VARIABLE) or DEFAULT_TOKENIZER
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_files_only(name))  # offline: fails in seconds, not a minute
+        tokenizer = _from_pretrained(name)
+    except DataError:
+        if fallback != "synthetic" or name != DEFAULT_TOKENIZER:
+            raise
+        from dpmuon.data import synthetic  # here: only a run that falls back needs `tokenizers`' trainer
+
+        directory = synthetic.build_tokenizer()
+        tokenizer = _from_pretrained(str(directory))
+        merges = synthetic.merges_of(tokenizer)
+        # model.bpe_merges sizes GPT-2's 50k merges; this BPE has a few hundred: above that, keep them all.
+        keep = bpe_merges if bpe_merges is not None and bpe_merges < merges else None
+        kept = "" if bpe_merges is None else f"; keeping its first {keep} of {merges} merges" if keep else f"; it has {merges} merges, keeping all of them"
+        log(
+            f"data.fallback=synthetic: the tokenizer {name!r} is not available offline, so this run uses a byte-level BPE "
+            f"built from the synthetic set in {directory}{kept}; {synthetic.REAL_SOURCES_HINT}"
+        )
+        return _prepared(tokenizer, keep), STAND_IN
+    return _prepared(tokenizer, bpe_merges), LOADED
+
+
+def _from_pretrained(name: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=local_files_only(name))  # offline: fails in seconds, not a minute
     except OSError as error:
         raise DataError(
             f"cannot load the tokenizer {name!r} ({error}); without internet access, set ${TOKENIZER_VARIABLE} to a local tokenizer directory"
         ) from error
+
+
+def _prepared(tokenizer: PreTrainedTokenizerBase, bpe_merges: int | None) -> PreTrainedTokenizerBase:
     if bpe_merges is not None:
         tokenizer = truncate_bpe(tokenizer, int(bpe_merges))
     if tokenizer.pad_token is None:

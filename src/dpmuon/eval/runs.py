@@ -60,6 +60,10 @@ class RunSummary:
     """
 
     dataset: str
+    # "synthetic": data.fallback's generated stand-in (data/synthetic.py), not the named set; a
+    # table or study groups such runs apart (Run.dataset). Absent from older records: "files".
+    data_source: str = "files"
+    tokenizer_source: str = "loaded"  # or "built locally": a BPE trained on the synthetic set
     optimizer: str
     model: str
     seed: int
@@ -129,7 +133,10 @@ class Run:
 
     @property
     def dataset(self) -> str:
-        return self.summary["dataset"]
+        """The dataset's name; a run on the synthetic stand-in is "<name>-synthetic", so no
+        table, curve or study counts it with runs on the real set."""
+        name = self.summary["dataset"]
+        return f"{name}-synthetic" if self.summary.get("data_source") == "synthetic" else name
 
     @property
     def optimizer(self) -> str:

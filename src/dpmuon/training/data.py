@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 from hydra.utils import instantiate
 
-from ..data import DataError, EncodedExample, EvalItem, Example, default_data_root, group_references
+from ..data import DataError, E2ESettings, EncodedExample, EvalItem, Example, default_data_root, group_references
+from ..data.synthetic import data_root_or_synthetic
 
 
 @dataclass
@@ -20,6 +21,7 @@ class RunData:
     test_items: list[EvalItem]
     test: list[EncodedExample]  # every (source, reference) pair of test_items, for test NLL
     train_source: str  # which private training set this is; see train_fingerprint
+    data_source: str = "files"  # or "synthetic": data.fallback's stand-in for missing E2E files (summary.json)
 
 
 def prepare_data(
@@ -32,7 +34,10 @@ def prepare_data(
     so it is logged — train.log is published — only with `publish_counts` (the driver's
     logging.nonprivate_diagnostics=publish). N itself is public: docs/privacy.md, threat model."""
     settings, root = instantiate(dataset, _convert_="all"), data.get("root")
-    reader = settings.reader(Path(default_data_root() if root is None else root), tokenizer, progress=progress)
+    root, source = Path(default_data_root() if root is None else root), "files"
+    if data.get("fallback", "none") == "synthetic" and isinstance(settings, E2ESettings):  # runs stored before the option had none
+        root, source = data_root_or_synthetic(root, settings.format, log)
+    reader = settings.reader(root, tokenizer, progress=progress)
     name, load, encode = settings.name, reader.examples, reader.encode
 
     train_raw = _first(load("train"), data.get("max_train_examples"))
@@ -52,7 +57,7 @@ def prepare_data(
     test, dropped = encode(pairs, context_length)
     log(f"{name} test: {len(test_items):,} sources, {len(test):,} reference pairs ({dropped} beyond the context length)")
     _refuse_emptied(f"{name} test", dropped, test, beyond_context)
-    return RunData(train, valid, test_items, test, train_fingerprint(train))
+    return RunData(train, valid, test_items, test, train_fingerprint(train), source)
 
 
 def train_fingerprint(train: Sequence[EncodedExample]) -> str:
