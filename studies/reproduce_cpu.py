@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dpmuon.config import optimizer_names
+from dpmuon.config.roster import optimizer_names
 from dpmuon.eval import Run, read_metrics, read_summary
 from dpmuon.run_folder import METRICS, SUMMARY, WEIGHTS_FINGERPRINT, is_finished
 
