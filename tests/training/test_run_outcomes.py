@@ -76,7 +76,7 @@ RESUME = "resume with: python -m dpmuon.train resume={run_dir}"
     "where, signame, advice",
     [
         ("dpmuon.training.loop:hidden_matrices", "SIGINT", RERUN),  # right after the model is built
-        pytest.param("dpmuon.training.loop:decode", "SIGTERM", RESUME, marks=pytest.mark.slow),  # trains first
+        pytest.param("dpmuon.training.evaluation:decode", "SIGTERM", RESUME, marks=pytest.mark.slow),  # trains first
     ],
     ids=["setup", "decoding"],
 )

@@ -21,6 +21,7 @@ from dpmuon.privacy.randomness import USER_SEED
 from dpmuon.privacy.state import save_mechanism_state
 from dpmuon.train import check_resume_seed, cli
 from dpmuon.training import loop
+from dpmuon.training.batching import fixed_batch_shape
 from dpmuon.training.secret import (
     MECHANISM_SEED_ENV,
     WEAK_SEED_WARNING,
@@ -217,7 +218,7 @@ def test_a_failure_after_training_still_removes_the_mechanism_state_and_left_tem
         left.write_bytes(b"generator states")  # as if a kill -9 had left one during training
         raise RuntimeError("curves failed")
 
-    monkeypatch.setattr(loop, "write_curves", broken)
+    monkeypatch.setattr("dpmuon.training.summary.write_curves", broken)
     with pytest.raises(RuntimeError, match="curves failed"):
         loop.run(compose_config(*TINY, "logging.nonprivate_diagnostics=file", f"resume={tmp_path}"), tmp_path)
     assert (tmp_path / "summary.json").exists() and (tmp_path / "checkpoint.pt").exists()
@@ -247,12 +248,12 @@ def test_the_summary_lists_the_nonprivate_values_the_record_holds(tmp_path):
 
 
 def test_bf16_without_fixed_batch_shapes_is_warned_and_refused_in_secure_mode(capsys):
-    assert loop.fixed_batch_shape(compose_config("trainer.fixed_batch_shape=false"), "bf16") is False
+    assert fixed_batch_shape(compose_config("trainer.fixed_batch_shape=false"), "bf16") is False
     assert capsys.readouterr().err.count("sensitivity bound is not exact") == 1
-    assert loop.fixed_batch_shape(compose_config("trainer.fixed_batch_shape=false"), "fp32") is False
+    assert fixed_batch_shape(compose_config("trainer.fixed_batch_shape=false"), "fp32") is False
     assert "not exact" not in capsys.readouterr().err
     with pytest.raises(UserError, match="trainer.fixed_batch_shape=false: .*not exact.*privacy.secure_noise=true"):
-        loop.fixed_batch_shape(compose_config("trainer.fixed_batch_shape=false", "privacy.secure_noise=true"), "bf16")
+        fixed_batch_shape(compose_config("trainer.fixed_batch_shape=false", "privacy.secure_noise=true"), "bf16")
 
 
 # ---- a resume under another lot sampling ---------------------------------------------------------

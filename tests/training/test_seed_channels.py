@@ -17,8 +17,8 @@ from dpmuon.errors import UserError
 from dpmuon.privacy.randomness import PUBLISHED_SEED, USER_SEED
 from dpmuon.privacy.seed import read_seed_file, user_seed
 from dpmuon.train import cli
-from dpmuon.training import loop
 from dpmuon.training.secret import MECHANISM_SEED_ENV, refuse_seed_in_config, seed_on_command_line, user_mechanism_secret
+from dpmuon.training.summary import mechanism_fields
 
 SECRET = 0x5EC2E7_9A1B_3C4D_5E6F_7A8B_9C0D  # 111 bits
 
@@ -139,8 +139,8 @@ def test_a_run_whose_seed_is_published_says_its_epsilon_is_no_guarantee(monkeypa
         source = USER_SEED
 
     cfg = compose_config("privacy.published_seed=true")
-    assert loop.mechanism_fields(cfg, True, Randomness())["mechanism_randomness"] == PUBLISHED_SEED == "published seed — no guarantee"
-    assert loop.mechanism_fields(compose_config(), True, Randomness())["mechanism_randomness"] == USER_SEED
+    assert mechanism_fields(cfg, True, Randomness())["mechanism_randomness"] == PUBLISHED_SEED == "published seed — no guarantee"
+    assert mechanism_fields(compose_config(), True, Randomness())["mechanism_randomness"] == USER_SEED
     monkeypatch.delenv(MECHANISM_SEED_ENV, raising=False)
     with pytest.raises(UserError, match="^privacy.published_seed=true: this run draws OS entropy"):
         user_mechanism_secret(cfg)

@@ -12,8 +12,8 @@ and the checkpoint still finds the state that matches the checkpoint.
 A resume also checks that the ledger still holds every line the saved state (or a checkpoint)
 recorded: without that, ε would be composed from whatever file is there, and a deleted,
 truncated, edited or swapped ledger would forget releases the run made. The driver
-(training/loop.py), `make_private` (facade.py) and `DPTrainer` (integrations/hf.py) all save and
-restore through here.
+(training/loop.py, checkpoint.py), `make_private` (facade.py) and `DPTrainer`
+(integrations/hf.py) all save and restore through here.
 """
 
 from __future__ import annotations

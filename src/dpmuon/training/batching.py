@@ -23,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+from omegaconf import DictConfig
 
 from ..data import EncodedExample, collate
 from ..data.encoding import IGNORE_INDEX
+from ..errors import UserError
 from ..privacy.engines.base import EXAMPLE_MASK
+from .runtime import log
 
 
 def lot_micro_batches(
@@ -86,3 +89,16 @@ def _right_pad(batch: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[
         extra = width - tensor.shape[1]
         out[key] = torch.nn.functional.pad(tensor, (0, extra), value=fills[key]) if extra else tensor
     return out
+
+
+def fixed_batch_shape(cfg: DictConfig, precision: str) -> bool:
+    """trainer.fixed_batch_shape: auto means on exactly when the forward runs in bf16 (off there:
+    warned, and refused where privacy.secure_noise=true promises an exact mechanism)."""
+    setting = cfg.trainer.get("fixed_batch_shape", "auto")
+    fixed = precision == "bf16" if setting == "auto" else bool(setting)
+    if precision == "bf16" and not fixed:
+        inexact = "under bf16 the rest of the lot moves each clipped contribution by up to ~0.7% of C, so the sensitivity bound is not exact"
+        if cfg.privacy.get("secure_noise", False):
+            raise UserError(f"trainer.fixed_batch_shape=false: {inexact}; valid with privacy.secure_noise=true: auto or true")
+        log(f"warning: trainer.fixed_batch_shape=false: {inexact}")
+    return fixed

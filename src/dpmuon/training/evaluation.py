@@ -1,4 +1,5 @@
-"""Held-out evaluation: NLL per target token and decoding of test sources."""
+"""Held-out evaluation: NLL per target token and decoding of test sources, and a run's own
+(`validation_nll` during training, `evaluate` on the test set after it)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import run_folder
 from ..data import EncodedExample, collate, collate_prompts, encode_prompt
 from ..data.encoding import IGNORE_INDEX
+from ..durable import atomic_write
+from ..eval.metrics import SCORE_KEYS, score
 from ..models import position_ids_for
+from .run_parts import Training
+from .runtime import log
 
 
 @torch.no_grad()
@@ -104,3 +110,20 @@ def fit_prompt(prompt: list[int], context: int, max_new_tokens: int) -> list[int
     """
     room = context - min(MIN_NEW_TOKENS, max_new_tokens)
     return prompt if len(prompt) <= room else prompt[len(prompt) - room :]
+
+
+def validation_nll(t: Training) -> float:
+    batch = int(t.cfg.eval.batch_size) * 4
+    return token_nll(t.model, t.data.valid, t.tokenizer.pad_token_id, batch, t.device, t.autocast, t.progress, "valid nll")
+
+
+def evaluate(t: Training) -> tuple[float | None, dict]:
+    """Test NLL and decoding (skipped when eval.test=false: the test set stays unseen)."""
+    cfg, pad_id = t.cfg, t.tokenizer.pad_token_id
+    if not cfg.eval.test:
+        return None, dict.fromkeys(SCORE_KEYS)
+    log("evaluating on the test set")
+    test_nll = token_nll(t.model, t.data.test, pad_id, int(cfg.eval.batch_size) * 4, t.device, t.autocast, t.progress, "test nll")
+    generations = decode(t.model, t.tokenizer, [item.source for item in t.data.test_items], cfg.eval, t.device, t.autocast, t.progress)
+    atomic_write(t.run_dir / run_folder.GENERATIONS, lambda f: f.write("".join(g.replace("\n", " ") + "\n" for g in generations).encode()))
+    return test_nll, score(generations, [item.references for item in t.data.test_items])

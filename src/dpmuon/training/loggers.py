@@ -7,6 +7,8 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
 from .. import run_folder
 from .run_files import MetricsLog
 
@@ -109,6 +111,11 @@ class WandbLogger(LocalLogger):
 def _has_netrc_key() -> bool:
     netrc = Path.home() / ".netrc"
     return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def public_config(cfg: DictConfig) -> dict:
+    """The resolved config as it may be published (W&B): it holds no seed (see training/secret.py)."""
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def build_logger(cfg: Mapping, run_dir: Path, config: Mapping, run_id: str | None, name: str, per_step: bool = True) -> LocalLogger:

@@ -5,18 +5,18 @@
 
 The private part is three lines per step — sample a lot, `privatizer.release(...)`,
 `optimizer.step()` — everything else is bookkeeping: logging, checkpoints, resume, signals.
+
+What the phases share is `Training` (run_parts.py). The rest lives with what it concerns:
+checkpoints (checkpoint.py), evaluation (evaluation.py), the summary and the run's final files
+(summary.py), the non-private diagnostics (diagnostics.py), fixed batch shapes (batching.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import math
 import signal
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,121 +30,36 @@ from ..config.schema import blamed_on, one_line
 from ..config.schema import validate as validate_config
 from ..data import DataError
 from ..data.tokenizer import load_tokenizer_or_stand_in
-from ..diagnostics import OracleAlignment
-from ..durable import WriteFailed, atomic_write
 from ..errors import UserError
-from ..eval.curves import write_curves
-from ..eval.metrics import SCORE_KEYS, score
-from ..eval.runs import Run, RunSummary, learning_rates
-from ..models import (
-    hidden_matrices,
-    is_lora,
-    lm_head_is_tied,
-    per_example_lm_loss,
-    save_adapter,
-    weights_fingerprint,
-)
+from ..eval.metrics import SCORE_KEYS
+from ..models import hidden_matrices, is_lora, per_example_lm_loss, weights_fingerprint
 from ..optim import OptimizerInputs, build_optimizer
 from ..optim.schedules import build_scheduler
 from ..outcomes import NON_FINITE, Interrupted
-from ..privacy import (
-    MechanismRandomness,
-    NonFiniteReleaseError,
-)
+from ..privacy import NonFiniteReleaseError
 from ..privacy.distributed import DataParallel, init_data_parallel
 from ..privacy.mechanism import Mechanism, MechanismSettings, build_mechanism, check_plan_inputs
-from ..privacy.plan import PrivacyPlan, check_resume_compatible
-from ..privacy.randomness import PUBLISHED_SEED, USER_SEED
+from ..privacy.plan import check_resume_compatible
 from ..privacy.state import (
     MECHANISM_STATE_FILE,
     check_ledger_kept,
     discard_mechanism_state,
-    ledger_record,
     remove_left_temp_files,
     restore_mechanism,
-    save_mechanism_state,
-    secret_state,
     verify_ledger,
 )
-from .batching import lot_micro_batches
-from .checkpoint import CHECKPOINT_FILE, load_checkpoint, rng_restore, rng_snapshot, save_checkpoint
-from .data import RunData, prepare_data
-from .evaluation import decode, token_nll
-from .loggers import NullLogger, build_logger
-from .run_files import MetricsLog, atomic_write_json, code_version, command_line, freeze_times, repo_relative
-from .run_identity import check_same_run, config_identity, run_dir_claimed
+from .batching import fixed_batch_shape, lot_micro_batches
+from .checkpoint import CHECKPOINT_FILE, checkpoint, failed_writes_stop, load_checkpoint, restore_weights, rng_restore, save_mechanism, spent_without_checkpoint
+from .data import prepare_data
+from .diagnostics import build_oracle, diagnostic_fields, diagnostics_mode, restore_oracle
+from .evaluation import evaluate, validation_nll
+from .loggers import NullLogger, build_logger, public_config
+from .run_files import MetricsLog, code_version, command_line, freeze_times
+from .run_identity import check_same_run, run_dir_claimed
+from .run_parts import Training
 from .runtime import StopRequest, autocast_factory, log, resolve_device, resolve_precision
 from .secret import record_seed_use, user_mechanism_secret
-
-# OSErrors a write raises where the run folder cannot take it (the privacy ledger's own, a model's
-# save_pretrained): full, over quota, failing, read-only, or taken away.
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-@dataclass
-class Training:
-    """What the phases of one run share: its parts, built once by `setup`, and its progress."""
-
-    cfg: DictConfig
-    run_dir: Path
-    device: torch.device
-    parallel: DataParallel
-    autocast: Callable
-    tokenizer: Any
-    tokenizer_source: str  # "loaded", or "built locally" (data.fallback=synthetic)
-    data: RunData
-    model: torch.nn.Module
-    initial_weights: str  # fingerprint before any checkpoint is loaded: the run's starting point
-    frozen_weights: str | None  # LoRA: the frozen base's fingerprint (checkpoints leave the base out)
-    mechanism: Mechanism  # plan, secret randomness, ledger, partition, release and lot sampler
-    generators: dict[str, torch.Generator]
-    named: dict[str, torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    oracle: OracleAlignment | None
-    fixed_width: int | None  # fixed micro-batch shapes (bf16): see training/batching.py
-    metrics: MetricsLog
-    diagnostic_rows: MetricsLog | None = None  # diagnostics.jsonl (owner-only): logging.nonprivate_diagnostics=file
-    padded_rows: int | None = None  # constant-time lots: the rows this rank processes every step
-    logger: Any = None
-    start_step: int = 0
-    last_step: int = 0
-    train_seconds: float = 0.0
-
-    @property
-    def plan(self) -> PrivacyPlan:
-        return self.mechanism.plan
-
-    @property
-    def private(self) -> bool:
-        return self.plan.private
-
-    @property
-    def diagnostics(self) -> bool:
-        """Whether the raw lot's quantities are computed at all (logging.nonprivate_diagnostics)."""
-        return diagnostics_mode(self.cfg) != "false"
-
-    @property
-    def publish_diagnostics(self) -> bool:
-        """Whether they go where the releases go (metrics.jsonl, W&B, console). A non-private run
-        has no guarantee to keep: its model is as revealing as its diagnostics."""
-        return diagnostics_mode(self.cfg) == "publish" or (self.diagnostics and not self.private)
-
-    @property
-    def validate(self) -> bool:
-        return bool(self.cfg.eval.get("validation", True))
-
-    @property
-    def progress(self) -> bool:
-        return bool(self.cfg.logging.progress)
-
-    @property
-    def checkpoint_path(self) -> Path:
-        return self.run_dir / CHECKPOINT_FILE
-
-    @property
-    def mechanism_state_path(self) -> Path:
-        return self.run_dir / MECHANISM_STATE_FILE
+from .summary import finish, run_summary
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -352,70 +267,6 @@ def resume(t: Training) -> None:
         save_mechanism(t, 0)
 
 
-def save_mechanism(t: Training, step: int) -> None:
-    # The examples' content hash checks that a resume trains on the same data; it is owner-only
-    # here, since a hash of the private set is a membership oracle (training/data.py).
-    state = {**secret_state(t.mechanism), "data_fingerprint": t.data.train_source}
-    if t.oracle is not None:  # the noise-free mirrors are as secret as the noise
-        state["oracle"] = t.oracle.state_dict()
-    save_mechanism_state(t.mechanism_state_path, step, state)
-
-
-def restore_oracle(oracle: OracleAlignment, saved: dict | None, step: int) -> None:
-    """The noise-free mirrors from the mechanism state restored at `step` (None: none was)."""
-    if saved is not None and "oracle" in saved:
-        oracle.load_state_dict(saved["oracle"])
-    else:
-        log(f"no oracle mirrors saved at step {step}: they restart from zero (rows from here on see only the steps since)")
-
-
-def checkpoint(t: Training, step: int) -> None:
-    if not t.parallel.is_main:
-        return
-    if t.private:  # the secret half first: a checkpoint never exists without its mechanism state
-        save_mechanism(t, step)
-    save_checkpoint(
-        t.checkpoint_path,
-        {
-            "step": step,
-            "model": checkpoint_weights(t),
-            **({"frozen_weights_sha256": t.frozen_weights} if t.frozen_weights else {}),
-            "optimizer": t.optimizer.state_dict(),
-            "scheduler": t.scheduler.state_dict(),
-            "rng": rng_snapshot(t.generators),
-            "plan": t.plan.as_dict(),
-            "config_identity": config_identity(t.cfg),  # what a resume must configure alike (run_identity.py)
-            **({"train_seconds": t.train_seconds} if t.publish_diagnostics else {}),
-            "logger_id": t.logger.run_id,
-            **ledger_record(t.mechanism.ledger),
-        },
-    )
-
-
-def checkpoint_weights(t: Training) -> dict[str, torch.Tensor]:
-    """The model's weights a checkpoint keeps: all of them, or a LoRA run's trained ones only (its
-    frozen base is rebuilt from the config on resume, and checked against its fingerprint)."""
-    if t.frozen_weights is None:
-        return t.model.state_dict()
-    return {name: value for name, value in t.model.state_dict().items() if name in t.named}
-
-
-def restore_weights(t: Training, state: dict[str, Any]) -> None:
-    saved_base = state.get("frozen_weights_sha256")
-    if saved_base is None:  # every weight saved (full fine-tuning, or a LoRA checkpoint written before)
-        t.model.load_state_dict(state["model"])
-        return
-    if saved_base != t.frozen_weights:
-        raise UserError(
-            f"cannot resume {t.run_dir}: the frozen base model built from model.name_or_path={t.cfg.model.name_or_path} is not the "
-            f"one the run started from (weights fingerprint {str(t.frozen_weights)[:12]}…, {CHECKPOINT_FILE} records {saved_base[:12]}…); "
-            "resume with the base model it began with"
-        )
-    if set(state["model"]) != set(t.named):
-        raise UserError(f"cannot resume {t.run_dir}: {CHECKPOINT_FILE} holds other trained weights than this model's adapters")
-    t.model.load_state_dict(state["model"], strict=False)
-
-
 # ---- training ----------------------------------------------------------------------------------
 
 
@@ -533,207 +384,6 @@ def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: flo
     return row, diagnostics
 
 
-def validation_nll(t: Training) -> float:
-    batch = int(t.cfg.eval.batch_size) * 4
-    return token_nll(t.model, t.data.valid, t.tokenizer.pad_token_id, batch, t.device, t.autocast, t.progress, "valid nll")
-
-
-# ---- evaluation and summary --------------------------------------------------------------------
-
-
-def evaluate(t: Training) -> tuple[float | None, dict]:
-    """Test NLL and decoding (skipped when eval.test=false: the test set stays unseen)."""
-    cfg, pad_id = t.cfg, t.tokenizer.pad_token_id
-    if not cfg.eval.test:
-        return None, dict.fromkeys(SCORE_KEYS)
-    log("evaluating on the test set")
-    test_nll = token_nll(t.model, t.data.test, pad_id, int(cfg.eval.batch_size) * 4, t.device, t.autocast, t.progress, "test nll")
-    generations = decode(t.model, t.tokenizer, [item.source for item in t.data.test_items], cfg.eval, t.device, t.autocast, t.progress)
-    atomic_write(t.run_dir / run_folder.GENERATIONS, lambda f: f.write("".join(g.replace("\n", " ") + "\n" for g in generations).encode()))
-    return test_nll, score(generations, [item.references for item in t.data.test_items])
-
-
-def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, scores: dict, version: str, command: str) -> RunSummary:
-    """The run's summary.json: what was run, what it cost in privacy, and what it scored."""
-    cfg, plan = t.cfg, t.plan
-    return RunSummary(
-        dataset=cfg.dataset.name,
-        data_source=t.data.data_source,
-        tokenizer_source=t.tokenizer_source,
-        optimizer=cfg.optimizer.name,
-        model=cfg.model.name,
-        seed=int(cfg.seed),
-        learning_rates=learning_rates(cfg.optimizer),
-        private=plan.private,
-        target_epsilon=plan.target_epsilon,
-        epsilon=t.mechanism.release.accountant.epsilon(),
-        delta=plan.delta,
-        delta_times_n=plan.delta_times_n,
-        noise_multiplier=plan.noise_multiplier,
-        sample_rate=plan.sample_rate,
-        expected_lot_size=plan.expected_lot_size,
-        dataset_size=plan.dataset_size,
-        steps=t.last_step,
-        planned_steps=plan.steps,
-        releases_charged=t.mechanism.release.accountant.steps,
-        **ledger_record(t.mechanism.ledger),
-        release_slack=asdict(plan.slack) if plan.private else None,
-        stopped_by_budget_guard=stop_reason is not None and not stop_reason.startswith(NON_FINITE),
-        stop_reason=stop_reason,
-        validation_split=validation_split(cfg) if t.validate else None,
-        accountant=plan.accountant,
-        **mechanism_fields(cfg, plan.private, t.mechanism.randomness),
-        world_size=t.parallel.world_size,
-        tied_lm_head=lm_head_is_tied(t.model),
-        initial_weights_sha256=t.initial_weights,
-        final_weights_sha256=weights_fingerprint(t.model),
-        test_nll=test_nll,
-        val_nll=_last(t.metrics.rows(), "val_nll"),
-        **{key: scores[key] for key in SCORE_KEYS if key != "metric_implementations"},
-        metric_implementations=scores["metric_implementations"] or {},  # nothing scored: no scorers
-        test_sources=len(t.data.test_items) if cfg.eval.test else 0,
-        train_seconds=t.train_seconds if t.publish_diagnostics else None,
-        max_lot_size=t.plan.max_lot_size,
-        nonprivate_values_logged=nonprivate_values_logged(t),
-        git_commit=version,
-        command=command,
-        run_dir=repo_relative(str(t.run_dir.resolve())),
-    )
-
-
-def mechanism_fields(cfg: DictConfig, private: bool, randomness: MechanismRandomness) -> dict[str, Any]:
-    """How the release was made; a non-private run has no mechanism (and samples Poisson lots)."""
-    if not private:
-        return {"mechanism_randomness": None, "clip_mode": None, "clip_norm": None, "sampling": "poisson", "engine": None}
-    return {
-        # A published seed regenerates every lot and noise draw: the ε below is then no guarantee.
-        "mechanism_randomness": PUBLISHED_SEED if cfg.privacy.get("published_seed") and randomness.source == USER_SEED else randomness.source,
-        "clip_mode": cfg.privacy.clip_mode,
-        "clip_norm": float(cfg.privacy.clip_norm),
-        "sampling": cfg.privacy.sampling,
-        "engine": cfg.privacy.engine,
-    }
-
-
-def finish(t: Training, summary: dict[str, Any]) -> None:
-    """Write the summary and curves, save the model if asked, and remove what must not outlive the run."""
-    if is_lora(t.model):  # always: a few adapter matrices, and the run's model is the base plus them
-        save_adapter(t.model, t.run_dir / run_folder.ADAPTER)
-    if t.cfg.trainer.save_model:
-        # A LoRA run's full model has its adapters merged into the base weights (the model's last use).
-        (t.model.merge_and_unload() if is_lora(t.model) else t.model).save_pretrained(t.run_dir / run_folder.MODEL)
-        t.tokenizer.save_pretrained(t.run_dir / run_folder.MODEL)
-    atomic_write_json(t.run_dir / run_folder.SUMMARY, summary)
-    t.logger.summary(summary)
-    figures = write_curves([Run(t.run_dir, summary)], t.run_dir / run_folder.CURVES, diagnostics=False)  # the run folder's are publishable
-    t.logger.images({f"curves/{path.stem}": path for path in figures})
-    t.logger.finish()
-    if not t.cfg.trainer.keep_checkpoint:
-        t.checkpoint_path.unlink(missing_ok=True)
-    shown = {k: summary[k] for k in ("test_nll", "val_nll", "bleu", "rouge_l", "epsilon") if summary[k] is not None}
-    on = " on the SYNTHETIC stand-in data (data.fallback), not E2E" if summary["data_source"] == "synthetic" else ""
-    log("done: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) + f"{on} → {t.run_dir}")
-
-
-# ---- the parts -----------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def failed_writes_stop(t: Training):
-    """A run file that cannot be written (a full disk, a quota, an I/O error) ends the run where
-    it is, before another release, in one line that says how far it got and how to go on."""
-    try:
-        yield
-    except OSError as err:
-        if not isinstance(err, WriteFailed) and err.errno not in WRITE_ERRNOS:
-            raise
-        failed = err if isinstance(err, WriteFailed) else WriteFailed(err.filename or t.run_dir, err)
-        raise UserError(
-            f"{failed}; the run stopped after step {t.last_step} of {t.plan.steps}, releasing nothing more; "
-            f"free space (or fix the folder), then resume with: python -m dpmuon.train resume={t.run_dir}"
-        ) from err
-
-
-def spent_without_checkpoint(t: Training) -> str:
-    """Why a resume with no checkpoint is refused once the budget allows no further release."""
-    accountant = t.mechanism.release.accountant
-    return (
-        f"cannot resume {t.run_dir}: its ledger charges {accountant.steps} releases (ε {accountant.epsilon():.4g} of "
-        f"privacy.target_epsilon={t.plan.target_epsilon:g}) and the budget allows no more, but no {CHECKPOINT_FILE} holds the "
-        f"weights they trained, so the resumed run would report the initial weights; restore {CHECKPOINT_FILE} from a copy, "
-        "or start a new run in a new directory (these releases stay spent)"
-    )
-
-
-def build_oracle(cfg: DictConfig, muon, names: dict, release, parallel: DataParallel) -> OracleAlignment | None:
-    """logging.oracle_alignment: the noise-free buffer beside the real one (non-private)."""
-    if not cfg.logging.get("oracle_alignment", False):
-        return None
-    if diagnostics_mode(cfg) == "false":
-        raise UserError("logging.oracle_alignment=true needs logging.nonprivate_diagnostics=file or publish: it is computed from the noise-free private signal")
-    if muon is None or not cfg.optimizer.private:
-        raise UserError(f"logging.oracle_alignment=true needs a private Muon-family optimizer; got optimizer={cfg.optimizer.name}")
-    if parallel.world_size > 1:
-        raise UserError("logging.oracle_alignment=true runs in one process only (each rank sees only its shard's clipped sum)")
-    oracle = OracleAlignment(muon, names, release.release_noise_std(), seed=int(cfg.seed))
-    release.observe_noise_free = oracle.observe
-    return oracle
-
-
-def diagnostics_mode(cfg: DictConfig) -> str:
-    """logging.nonprivate_diagnostics as "false", "file" or "publish" (true: publish, as it used to)."""
-    setting = cfg.logging.nonprivate_diagnostics
-    if setting is True or setting is False:
-        return "publish" if setting else "false"
-    return str(setting)
-
-
-def fixed_batch_shape(cfg: DictConfig, precision: str) -> bool:
-    """trainer.fixed_batch_shape: auto means on exactly when the forward runs in bf16 (off there:
-    warned, and refused where privacy.secure_noise=true promises an exact mechanism)."""
-    setting = cfg.trainer.get("fixed_batch_shape", "auto")
-    fixed = precision == "bf16" if setting == "auto" else bool(setting)
-    if precision == "bf16" and not fixed:
-        inexact = "under bf16 the rest of the lot moves each clipped contribution by up to ~0.7% of C, so the sensitivity bound is not exact"
-        if cfg.privacy.get("secure_noise", False):
-            raise UserError(f"trainer.fixed_batch_shape=false: {inexact}; valid with privacy.secure_noise=true: auto or true")
-        log(f"warning: trainer.fixed_batch_shape=false: {inexact}")
-    return fixed
-
-
-def validation_split(cfg: DictConfig) -> str:
-    """Whether the validation NLL is covered: a private set's own validation split is not."""
-    return "public" if cfg.eval.get("validation_split", "private") == "public" else "private (not covered)"
-
-
-def public_config(cfg: DictConfig) -> dict:
-    """The resolved config as it may be published (W&B): it holds no seed (see training/secret.py)."""
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
-def diagnostic_fields(stats, partition, private: bool) -> dict[str, Any]:
-    """Quantities computed from the raw lot, outside the guarantee (logging.nonprivate_diagnostics)."""
-    fields: dict[str, Any] = {"train_loss": stats.train_loss, "lot_size": stats.lot_size}
-    if private:
-        fields.update(mean_grad_norm=stats.mean_grad_norm, nonfinite_examples=stats.nonfinite)
-        fractions = stats.clip_fraction()
-        if fractions:
-            fields["clip_fraction"] = sum(fractions) / len(fractions)
-            fields["clip_fraction_by_block"] = {b.name: f for b, f in zip(partition.blocks, fractions)}
-    return fields
-
-
-def nonprivate_values_logged(t: Training) -> list[str]:
-    """The names of the values outside the guarantee that the run's published record holds: those
-    of `diagnostic_fields`, the step and train times, and the oracle's fields ("oracle_*")."""
-    if not t.publish_diagnostics:
-        return []
-    names = ["train_loss", "lot_size"]
-    if t.private:
-        names += ["mean_grad_norm", "nonfinite_examples", "clip_fraction", "clip_fraction_by_block"]
-    return names + ["step_seconds", "train_seconds"] + (["oracle_*"] if t.oracle is not None else [])
-
-
 def _finite(row: dict) -> dict:
     """JSON has no inf/NaN: such values are logged as null."""
     out = {}
@@ -745,9 +395,3 @@ def _finite(row: dict) -> dict:
         else:
             out[key] = value
     return out
-
-
-def _last(rows: list[dict], key: str):
-    """The last logged value of `key`: None when it was non-finite (logged as null), not an older one."""
-    values = [r[key] for r in rows if key in r]
-    return values[-1] if values else None
