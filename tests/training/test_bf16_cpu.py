@@ -14,6 +14,7 @@ from helpers_threads import one_thread  # noqa: F401  (autouse: one torch thread
 from helpers_train import compose_config, require_real_data, seed_file_override
 from omegaconf import OmegaConf
 
+from dpmuon.config.roster import optimizer_names
 from dpmuon.eval.runs import read_run_rows
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
@@ -22,7 +23,7 @@ from dpmuon.privacy.accountant import ReleaseSlack, epsilon_after
 from dpmuon.training.loop import run
 from dpmuon.training.runtime import autocast_factory
 
-DP_OPTIMIZERS = ("dp_sgd", "dp_adam", "dp_muon", "dp_muonbc")
+DP_OPTIMIZERS = optimizer_names(private=True)
 SIGMA, SAMPLE_RATE, DELTA, CLIP = 0.3, 0.05, 1e-5, 1.0
 LOT, MICRO_BATCH, STEPS = 32, 16, 6
 

@@ -9,6 +9,7 @@ import stat
 import pytest
 from helpers_train import compose_config, require_real_data
 
+from dpmuon.config.roster import optimizer_names
 from dpmuon.eval.runs import RunSummary
 from dpmuon.training.loop import run
 
@@ -41,7 +42,7 @@ SUMMARY_KEYS = {
 
 
 @pytest.mark.parametrize("dataset", ["e2e", "dart"])
-@pytest.mark.parametrize("optimizer", ["dp_sgd", "dp_adam", "dp_muon", "dp_muonbc"])
+@pytest.mark.parametrize("optimizer", optimizer_names(private=True))
 def test_smoke_run_writes_the_artifact_contract(tmp_path, dataset, optimizer):
     require_real_data()
     cfg = compose_config("experiment=smoke", f"dataset={dataset}", f"optimizer={optimizer}", *TINY)
