@@ -169,6 +169,17 @@ def flattened(section: dict) -> dict:
     return out
 
 
+def test_the_rosters_light_reader_reads_each_optimizer_yaml_as_hydra_composes_it():
+    """The roster reads conf/optimizer/ without Hydra's global state (the driver holds it while a
+    run imports the roster's readers), so it merges the defaults lists itself: as Hydra does."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        for name in GROUPS["optimizer"]:
+            composed = OmegaConf.to_container(compose(config_name=f"optimizer/{name}").optimizer)
+            assert OmegaConf.to_container(group_yaml("optimizer", name)) == composed, name
+
+
 @pytest.mark.parametrize("optimizer", GROUPS["optimizer"])
 def test_an_optimizer_yaml_repeats_none_of_its_class_defaults(optimizer):
     """Options are declared once, in the settings class: a YAML sets only what differs from it."""

@@ -1,10 +1,11 @@
 """The optimizer roster: `conf/optimizer/*.yaml` is the one list of optimizers.
 
 The Makefile, the sweeps, table and curve ordering and colours, the reproduction and bench
-scripts and the tests read it from here; adding an optimizer is its settings class and one YAML
-listing it in its defaults. Reads the YAML files and the settings classes' stored options (no
-composition, no torch), so that `python -m dpmuon.config.roster --private` is cheap enough for
-the Makefile.
+scripts and the tests read it from here; adding an optimizer is its settings class (registered
+under the YAML's name, `@settings("optimizer", name=...)`) and one YAML listing it in its defaults.
+Reads the YAML files and the settings classes' stored options itself (no torch), because Hydra's
+compose needs the global state a running driver holds when it imports the readers of this list;
+tests/config/test_configs.py checks that it reads each YAML as Hydra composes it.
 """
 
 from __future__ import annotations
