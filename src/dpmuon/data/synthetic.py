@@ -30,6 +30,7 @@ from pathlib import Path
 from dpmuon.data.e2e import linearize_meaning_representation
 from dpmuon.data.layout import candidate_paths
 from dpmuon.durable import atomic_write
+from dpmuon.jsontext import to_json
 from dpmuon.paths import REPO_ROOT, in_checkout
 
 FALLBACKS = ("none", "synthetic")  # data.fallback's values
@@ -213,7 +214,7 @@ def build_tokenizer(directory: Path | None = None) -> Path:
     try:
         _train(texts).save_pretrained(str(staging))
         config_file = staging / "tokenizer_config.json"  # the class name every transformers version reads
-        config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+        config_file.write_text(to_json(json.loads(config_file.read_text()) | {"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
         (staging / "corpus.sha256").write_text(digest + "\n")
         shutil.rmtree(target, ignore_errors=True)
         try:
