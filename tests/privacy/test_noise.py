@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_gpt2, token_batch
@@ -165,3 +166,43 @@ def test_a_privatizer_whose_noise_is_drawn_ahead_releases_what_one_drawing_in_tu
         pz.close()
         grads.append(steps)
     assert all(torch.equal(a[n], b[n]) for a, b in zip(*grads, strict=True) for n in a)
+
+
+# --- the sharded release: each rank draws the noise of its own coordinates -------------------------
+
+
+def test_a_slice_of_a_draw_is_that_slice_of_the_whole_draw_bit_for_bit():
+    """Slices within a chunk, across one or two chunk edges, at the ends, empty: the values the
+    whole draw gives those coordinates (a chunk's values depend on the earlier ones in it)."""
+    from dpmuon.privacy.randomness import CHUNK
+
+    size = 3 * CHUNK + 123
+    sources = SecretStream(7).normal_sources_at(4, 4)  # draw 4, as the whole release draws it: chunk by chunk
+    whole = np.concatenate([sources[c](min(CHUNK, size - c * CHUNK)) for c in range(4)])
+    stream = SecretStream(7)
+    for start, stop in [(0, size), (5, 17), (CHUNK - 3, CHUNK + 9), (CHUNK // 2, 2 * CHUNK + 7), (3 * CHUNK, size), (size - 1, size), (10, 10)]:
+        assert (stream.normal_slice_at(4, size, start, stop) == whole[start:stop]).all(), (start, stop)
+    assert stream.draws == 0  # reading a draw moves no position
+    with pytest.raises(ValueError, match="slice"):
+        stream.normal_slice_at(4, size, 10, size + 1)
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_shards_released_on_their_own_ranks_equal_the_whole_release_bit_for_bit(shards):
+    """FSDP shards a matrix by rows: each rank holds a contiguous range of the flattened sum.
+    Released shard by shard (each from a stream at the same position), the pieces are the whole
+    release's, and each stream advances one draw, as the whole release's does."""
+    from dpmuon.privacy.randomness import CHUNK
+
+    total = torch.randn(2 * CHUNK // 64 + 5, 64 * 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 0.1
+    whole_noise = GaussianNoise(SecretStream(11), threads=2)
+    whole_noise.grid_release(torch.zeros(3, dtype=torch.float64), 0.5)  # an earlier release: not at the stream's start
+    whole = whole_noise.grid_release(total.clone(), 0.03)
+    rows = torch.tensor_split(torch.arange(total.shape[0]), shards)
+    for held in rows:
+        rank_noise = GaussianNoise(SecretStream(11), threads=1)
+        rank_noise.stream.draws = 1
+        piece = total[held].clone()
+        released = rank_noise.grid_release_slice(piece, 0.03, total.numel(), int(held[0]) * total.shape[1])
+        assert torch.equal(released, whole[held]) and rank_noise.stream.draws == 2
+    assert not torch.equal(whole, total)  # the noise was added

@@ -84,6 +84,21 @@ class GaussianNoise:
         self._chunks(total.numel(), lambda piece, z: release_on_grid(piece, std, torch.from_numpy(z)), flat)
         return total
 
+    def grid_release_slice(self, piece: torch.Tensor, std: float, size: int, start: int) -> torch.Tensor:
+        """`grid_release` of the coordinates [start, start + piece.numel()) of a `size`-long
+        total, in place in `piece`: the values the whole tensor's release would give them, bit for
+        bit (the grid arithmetic is elementwise; `SecretStream.normal_slice_at`). One draw of the
+        stream, as for the whole tensor: a sharded release draws each coordinate's noise once,
+        on the rank that holds it. In secure mode the OS CSPRNG draws this rank's coordinates."""
+        self._discard()  # drawn-ahead draws are whole tensors
+        n = piece.numel()
+        if self.secure:
+            z = secure_standard_normal(n)
+        else:
+            z = self.stream.normal_slice_at(self.stream.draws, size, start, start + n)
+            self.stream.draws += 1
+        return release_on_grid(piece, std, torch.from_numpy(z).view(piece.shape).to(piece.device))
+
     def draw_ahead(self, sizes: Sequence[int]) -> None:
         """Start making the stream's next len(sizes) draws, of these sizes, in the background (a
         no-op unless `ahead`). They are kept until the stream asks for them."""

@@ -72,6 +72,19 @@ class SecretStream:
 
         return [source(chunk) for chunk in range(chunks)]
 
+    def normal_slice_at(self, draw: int, size: int, start: int, stop: int) -> np.ndarray:
+        """Coordinates [start, stop) of draw `draw` made `size` long: bit for bit that slice of the
+        whole draw, so that ranks holding disjoint shards of one tensor each draw their own noise
+        and together draw every coordinate once. Each chunk the slice touches is drawn whole: a
+        chunk's values (and its tail redraws, in order) depend on the values before them in it."""
+        if not 0 <= start <= stop <= size:
+            raise ValueError(f"slice [{start}, {stop}) of a draw of {size}")
+        first, last = start // CHUNK, -(-stop // CHUNK)
+        sources = self.normal_sources_at(draw, last)
+        drawn = [sources[c](min(CHUNK, size - c * CHUNK)) for c in range(first, last)]
+        whole = np.concatenate(drawn) if drawn else np.empty(0)
+        return whole[start - first * CHUNK : stop - first * CHUNK]
+
     def _generator(self, chunk: int, draw: int, lane: int) -> np.random.Generator:
         key = np.array([self.key & (2**64 - 1), self.key >> 64], dtype=np.uint64)
         return np.random.Generator(np.random.Philox(key=key, counter=[0, chunk, draw, lane]))
