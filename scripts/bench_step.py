@@ -61,6 +61,7 @@ from dpmuon.training.batching import lot_micro_batches
 from dpmuon.training.data import prepare_data
 from dpmuon.training.loop import privacy_settings
 from dpmuon.training.run_files import code_version
+from dpmuon.training.runtime import keep_freed_memory
 from dpmuon.training.secret import user_mechanism_secret
 
 VOCAB = 50258  # GPT-2's tokenizer plus the added pad token
@@ -553,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # as the driver does: every row runs with the driver's allocator settings
     if args.memory_probe:
         print(peak_memory_mib(Config.parse(args.memory_probe), args, torch.load(args.lot_file, weights_only=False), device))
         return

@@ -57,7 +57,7 @@ from .loggers import NullLogger, build_logger, public_config
 from .run_files import MetricsLog, code_version, command_line, freeze_times
 from .run_identity import check_same_run, run_dir_claimed
 from .run_parts import Training
-from .runtime import StopRequest, autocast_factory, log, resolve_device, resolve_precision
+from .runtime import StopRequest, autocast_factory, keep_freed_memory, log, resolve_device, resolve_precision
 from .secret import record_seed_use, user_mechanism_secret
 from .summary import finish, run_summary
 
@@ -111,6 +111,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     torch.manual_seed(int(cfg.seed))
     device = resolve_device(cfg.trainer.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # a step's tensors reuse the last step's memory instead of faulting it in again
     parallel = init_data_parallel(device.type)
     # Every rank writes into rank 0's directory (Hydra's timestamps may differ between ranks).
     run_dir = Path(parallel.broadcast_object(str(run_dir)) if parallel.world_size > 1 else run_dir)
