@@ -358,9 +358,11 @@ def peak_memory_in_subprocess(config: Config, args, lot_path: Path) -> float:
         "--threads",
         str(args.threads),
         *(["--lora-r", str(args.lora_r)] if args.lora_r else []),
+        *(["--keep-freed-memory"] if args.keep_freed_memory else []),
     ]
     # A fixed mmap threshold makes glibc return every freed block ≥ 1 MiB to the OS, so the
-    # peak RSS tracks the peak of live tensors instead of what the allocator kept cached.
+    # peak RSS tracks the peak of live tensors instead of what the allocator kept cached
+    # (with --keep-freed-memory the probe raises it again: its peak is what that option costs).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
@@ -544,6 +546,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-r", type=int, help="train rank-r LoRA adapters on every projection of the frozen model (default: full fine-tuning)")
     parser.add_argument("--json", type=Path, help="also write the rows and settings here")
     parser.add_argument("--phases", action="store_true", help="also profile one step per private configuration: time per phase")
+    parser.add_argument("--keep-freed-memory", action="store_true", help="CPU: keep freed memory for reuse, as trainer.keep_freed_memory=true")
     parser.add_argument("--pipeline", nargs="+", choices=list(PIPELINES), help="instead: time `python -m dpmuon.train` (training only), private vs non-private")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)  # internal: one configuration's peak
     parser.add_argument("--lot-file", type=Path, help=argparse.SUPPRESS)
@@ -554,8 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if device.type == "cpu":
-        keep_freed_memory()  # as the driver does: every row runs with the driver's allocator settings
+    if device.type == "cpu" and args.keep_freed_memory:
+        keep_freed_memory()  # trainer.keep_freed_memory=true: every row with it
     if args.memory_probe:
         print(peak_memory_mib(Config.parse(args.memory_probe), args, torch.load(args.lot_file, weights_only=False), device))
         return

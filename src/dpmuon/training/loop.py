@@ -111,7 +111,7 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     torch.manual_seed(int(cfg.seed))
     device = resolve_device(cfg.trainer.device)
-    if device.type == "cpu":
+    if device.type == "cpu" and cfg.trainer.get("keep_freed_memory", False):  # (absent from runs stored before it)
         keep_freed_memory()  # a step's tensors reuse the last step's memory instead of faulting it in again
     parallel = init_data_parallel(device.type)
     # Every rank writes into rank 0's directory (Hydra's timestamps may differ between ranks).
