@@ -48,11 +48,10 @@ def keep_freed_memory() -> bool:
 
     On the CPU, torch allocates each large tensor of a step afresh (a micro-batch's logits, its
     activations, the float64 sums), and glibc unmaps a freed block above its mmap threshold, so
-    every step faults all of that memory in again, page by page and zeroed by the kernel. Measured
-    on 2 cores (tiny model, E2E lot 256): 45% of the CPU time was the kernel's, and with both
-    thresholds at their largest the same steps ran 1.6× (private) to 1.8× (non-private) faster,
-    to the same weights bit for bit. Process-wide and for good; False where the C library has no
-    mallopt (not glibc)."""
+    every step faults all of that memory in again, page by page and zeroed by the kernel. With both
+    thresholds at their largest, freed blocks are reused (docs/performance.md: 1.4-1.5x the
+    examples per second for 1.4-1.8x the peak RSS). Process-wide and for good; False where the C
+    library has no mallopt (not glibc)."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):

@@ -50,8 +50,8 @@ class TrainerSettings(Settings):
     num_threads: int | None = option(None, "torch CPU threads (null: torch's default)", ge=1)
     keep_freed_memory: bool = option(
         False,
-        "on the CPU, keep freed memory for the next step instead of giving it back to the OS (glibc): 1.2-1.8x faster steps, "
-        "peak RSS up to 2.3x (docs/performance.md)",
+        "on the CPU, keep freed memory for the next step instead of giving it back to the OS (glibc): 1.4-1.5x faster steps, "
+        "peak RSS 1.4-1.8x (docs/performance.md)",
     )
 
 
