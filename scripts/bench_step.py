@@ -5,14 +5,18 @@ micro-batches, then the optimizer step — for {non-private, opacus, fast} × {f
 × {dp_adam, dp_muon, dp_muonbc} × VARIANTS. A private configuration is compared with its
 non-private twin (DP-Adam with Adam, DP-Muon and DP-MuonBC with Muon) measured in the same run,
 on the same lot. The variants say what of the guarantee a private row keeps: `default` is what
-a private run does (constant-time lots: B_max rows in full-width micro-batches; the exact grid
-release), `as-drawn` turns constant-time lots off, `no-noise` also skips the noise (timing
-only), so the step from one column of the last table to the next is what that part costs.
-B_max is the default plan's for PLAN_STEPS steps at ε = 8; B_max/(Nq) is printed beside it.
+a private run of the driver does (constant-time lots: B_max rows in the width buckets chosen
+from the length histogram; the exact grid release), `one-width` pads every row to max_length
+instead (privacy.width_buckets=1, as make_private and DPTrainer do), `as-drawn` turns
+constant-time lots off, `no-noise` also skips the noise (timing only), so the step from one
+column of the last table to the next is what that part costs. B_max is the default plan's for
+PLAN_STEPS steps at ε = 8; B_max/(Nq) is printed beside it. The widths come from the lengths of
+the data set (E2E's whole training set, or the synthetic lot's) scaled to N = lot/q, with the
+default release's noise allowed for in the bounds (no noise is drawn: timing only).
 
 `--pipeline` times the driver's own loop instead (`python -m dpmuon.train`, training only: the
-summary's train_seconds), private with and without constant-time lots vs the same run with the
-non-private optimizer, for the settings in PIPELINES.
+summary's train_seconds), private with constant-time lots (in width buckets, and at one width)
+and without, vs the same run with the non-private optimizer, for the settings in PIPELINES.
 
 Throughput: all configurations live in one process and take turns, one round per repeat (in a
 rotated order), so a busy neighbour or thermal drift hits them alike; medians are reported
@@ -56,8 +60,9 @@ from dpmuon.jsontext import to_json
 from dpmuon.models import IGNORE_INDEX, LoraOptions, Shape, add_lora, build_random_lm, hidden_matrices, load_pretrained, per_example_lm_loss
 from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
+from dpmuon.privacy.lot_bound import length_histogram
 from dpmuon.privacy.mechanism import MechanismSettings, build_mechanism, lot_limit
-from dpmuon.training.batching import lot_micro_batches
+from dpmuon.training.batching import bucketed_micro_batches, lot_micro_batches
 from dpmuon.training.data import prepare_data
 from dpmuon.training.loop import privacy_settings
 from dpmuon.training.run_files import code_version
@@ -96,7 +101,8 @@ PLAN_STEPS = 1000  # a plan's length sets B_max (the truncation charge grows wit
 # B_max rows of one fixed width; the exact grid release), and rows that switch one more part off
 # each, so the cost of each is the step from one column to the next.
 VARIANTS = {
-    "default": "constant-time lots, grid release (what a private run does)",
+    "default": "constant-time lots in width buckets, grid release (what a private driver run does)",
+    "one-width": "constant-time lots, every row max_length wide (privacy.width_buckets=1; make_private, DPTrainer), grid release",
     "as-drawn": "lots as drawn (privacy.constant_time=false), grid release",
     "no-noise": "lots as drawn, no noise drawn or added (timing only: not a release)",
 }
@@ -115,7 +121,7 @@ class Config:
 
     @property
     def constant_time(self) -> bool:
-        return self.variant == "default"
+        return self.variant in ("default", "one-width")
 
     @property
     def private(self) -> bool:
@@ -167,39 +173,45 @@ def synthetic_lot(size: int, seq_len: int, seed: int, vocab: int = VOCAB) -> lis
     return examples
 
 
-def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[EncodedExample], int]:
-    """`size` E2E training examples, loaded and encoded as the trainer does (conf/dataset/e2e.yaml)."""
+def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[EncodedExample], int, list[int]]:
+    """`size` E2E training examples, loaded and encoded as the trainer does (conf/dataset/e2e.yaml),
+    the pad id and the lengths of the whole training set."""
     # The tokenizer follows the model: a local model's own, else GPT-2's ($DPMUON_TOKENIZER).
     tokenizer = load_tokenizer(str(local_model_dir(model_name)) if model_name in LOCAL_MODELS else None)
     # prepare_data also encodes validation and test sets, which the bench does not use: one each.
     cfg = compose_config("data.max_valid_examples=1", "data.max_test_sources=1")
     train = prepare_data(cfg.dataset, cfg.data, tokenizer, int(cfg.dataset.max_length), log=lambda message: None).train
     picks = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[:size]
-    return [train[i] for i in picks.tolist()], tokenizer.pad_token_id
+    return [train[i] for i in picks.tolist()], tokenizer.pad_token_id, [len(example.input_ids) for example in train]
 
 
 @dataclass
 class Lots:
     """One lot as each kind of run batches it: as drawn (sorted, each micro-batch padded to its
-    own longest example) and constant-time (B_max rows of full-width micro-batches)."""
+    own longest example), constant-time at one width (B_max rows of full-width micro-batches) and
+    constant-time in width buckets (B_max rows in `widths`)."""
 
     as_drawn: list[dict[str, torch.Tensor]]
-    constant: list[dict[str, torch.Tensor]]
+    one_width: list[dict[str, torch.Tensor]]
+    bucketed: list[dict[str, torch.Tensor]]
     max_lot_size: int
+    widths: tuple[tuple[int, int], ...]
 
     def of(self, config: Config) -> list[dict[str, torch.Tensor]]:
-        return self.constant if config.constant_time else self.as_drawn
+        return {"default": self.bucketed, "one-width": self.one_width}.get(config.variant, self.as_drawn)
 
     def to(self, device: torch.device) -> Lots:
         move = lambda batches: [{k: v.to(device) for k, v in b.items()} for b in batches]  # noqa: E731
-        return Lots(move(self.as_drawn), move(self.constant), self.max_lot_size)
+        return Lots(move(self.as_drawn), move(self.one_width), move(self.bucketed), self.max_lot_size, self.widths)
 
 
-def batch_lot(examples: list[EncodedExample], pad_id: int, micro_batch: int, width: int) -> Lots:
-    rows = max_lot_size(len(examples))
+def batch_lot(examples: list[EncodedExample], pad_id: int, micro_batch: int, width: int, lengths: list[int]) -> Lots:
+    """The lot batched each way; the buckets from the histogram of `lengths` scaled to the bench's N."""
+    rows, widths = constant_time_shape(len(examples), lengths, width)
     lot = range(len(examples))
-    constant = lot_micro_batches(examples, lot, micro_batch, pad_id, fixed_width=width, fixed_rows=True, pad_to=rows)
-    return Lots(list(lot_micro_batches(examples, lot, micro_batch, pad_id)), list(constant), rows)
+    one_width = lot_micro_batches(examples, lot, micro_batch, pad_id, fixed_width=width, fixed_rows=True, pad_to=rows)
+    bucketed = bucketed_micro_batches(examples, list(lot), widths, micro_batch * width, pad_id)
+    return Lots(list(lot_micro_batches(examples, lot, micro_batch, pad_id)), list(one_width), list(bucketed), rows, widths)
 
 
 # -- one configuration ------------------------------------------------------------------------
@@ -242,10 +254,16 @@ def bench_settings(cfg: DictConfig, lot_size: int, constant_time: bool) -> Mecha
     return replace(privacy_settings(cfg), expected_lot_size=lot_size, epochs=None, steps=PLAN_STEPS, constant_time=constant_time)
 
 
-def max_lot_size(lot_size: int) -> int:
-    """B_max, the rows of every constant-time step, for lots of `lot_size` (the default plan's)."""
+def constant_time_shape(lot_size: int, lengths: list[int], width: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(B_max, the width buckets) of the default plan for lots of `lot_size` and N = lot/q examples
+    of these lengths' distribution: its histogram scaled to N, the default release's σ in the bounds."""
     cfg = compose_config(*Config("fast", "per_matrix", OPTIMIZERS[0], "default").overrides)
-    return lot_limit(bench_settings(cfg, lot_size, constant_time=True), round(lot_size / SAMPLE_RATE))[0]
+    settings = bench_settings(cfg, lot_size, constant_time=True)
+    dataset_size = round(lot_size / SAMPLE_RATE)
+    counts = length_histogram(lengths, width) * (dataset_size / len(lengths))
+    release = {"noise_multiplier": float(settings.length_noise_multiplier), "counts": counts.tolist()}
+    widths, _, _ = lot_limit(settings, dataset_size, release)
+    return lot_limit(settings, dataset_size)[1], widths
 
 
 class Runner:
@@ -261,7 +279,7 @@ class Runner:
         mechanism = build_mechanism(
             self.model,
             round(lot_size / SAMPLE_RATE),
-            bench_settings(cfg, lot_size, constant_time=variant == "default"),
+            bench_settings(cfg, lot_size, constant_time=variant in ("default", "one-width")),
             hidden_matrices=matrices,
             user_secret=user_mechanism_secret(cfg),
             run_dir=None,
@@ -478,9 +496,11 @@ TRAINING_ONLY = ("eval.test=false", "eval.validation=false", "trainer.eval_every
 PIPELINE_RUNS = {  # name → overrides; each private run beside its non-private twin
     "adam": ("optimizer=adam",),
     "dp_adam": ("optimizer=dp_adam",),
+    "dp_adam/one-width": ("optimizer=dp_adam", "privacy.width_buckets=1"),
     "dp_adam/as-drawn": ("optimizer=dp_adam", "privacy.constant_time=false"),
     "muon": ("optimizer=muon",),
     "dp_muon": ("optimizer=dp_muon",),
+    "dp_muon/one-width": ("optimizer=dp_muon", "privacy.width_buckets=1"),
     "dp_muon/as-drawn": ("optimizer=dp_muon", "privacy.constant_time=false"),
 }
 
@@ -570,19 +590,21 @@ def main(argv: list[str] | None = None) -> None:
             args.json.write_text(to_json({**meta, "pipelines": found, "runs": {k: list(v) for k, v in PIPELINE_RUNS.items()}}, indent=2))
         return
     if args.data == "e2e":
-        examples, pad_id = e2e_lot(args.lot, args.seed, args.model)
+        examples, pad_id, lengths = e2e_lot(args.lot, args.seed, args.model)
     else:
         vocab = vocab_size(args.model)
         examples, pad_id = synthetic_lot(args.lot, args.seq_len, args.seed, vocab), vocab - 1
+        lengths = [len(example.input_ids) for example in examples]
     # The lot as the trainer batches it: sorted by length; as drawn, each micro-batch right-padded
-    # to its own longest sequence; constant-time, B_max rows at the run's fixed width.
+    # to its own longest sequence; constant-time, B_max rows at the run's fixed width or in buckets.
     width = args.seq_len if args.data == "synthetic" else int(compose_config().dataset.max_length)
-    lots = batch_lot(examples, pad_id, args.micro_batch, width)
+    lots = batch_lot(examples, pad_id, args.micro_batch, width, lengths)
     configs = configurations(args.engines, args.clip_modes, args.optimizers, args.variants)
     tokens = sum(int(b["attention_mask"].sum()) for b in lots.as_drawn)
     print(
         f"model {args.model}{f' + LoRA r={args.lora_r}' if args.lora_r else ''}, {args.data} lot {args.lot} in micro-batches of {args.micro_batch} "
         f"({tokens / args.lot:.1f} tokens/example; constant-time: {lots.max_lot_size} rows × {width} tokens, "
+        f"or in widths {', '.join(f'{r}×{w}' for w, r in lots.widths)}; "
         f"B_max/(Nq) = {lots.max_lot_size / args.lot:.3f}), device {device}, {torch.get_num_threads()} threads, "
         f"{args.repeats} repeats, {len(configs)} configurations",
         file=sys.stderr,
@@ -620,6 +642,7 @@ def main(argv: list[str] | None = None) -> None:
             "command": " ".join(["python", "scripts/bench_step.py", *sys.argv[1:]]),
         }
         meta["max_lot_size"] = lots.max_lot_size
+        meta["widths"] = [list(bucket) for bucket in lots.widths]
         args.json.write_text(to_json({**meta, "rows": rows, "phases": {c.label: p for c, p in phases.items()}}, indent=2))
 
 

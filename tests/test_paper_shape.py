@@ -48,8 +48,10 @@ def test_paper_e2e_configuration_runs_end_to_end_at_gpt2_small_size(tmp_path, un
 
     # The plan: the full training set, the paper's δ and ε, σ calibrated for two steps.
     assert summary["dataset_size"] == 42_057 and summary["steps"] == 2 and summary["delta"] == 8e-6
-    slack = ReleaseSlack(**summary["release_slack"])
-    assert summary["epsilon"] == pytest.approx(epsilon_after(summary["noise_multiplier"], 64 / 42_057, 2, 8e-6, "prv", slack))
+    # Constant-time lots in width buckets (fp32 on the CPU): the length histogram's release first.
+    slack, prior = ReleaseSlack(**summary["release_slack"]), ((20.0, 1.0, 1),)
+    assert summary["length_noise_multiplier"] == 20.0 and len(summary["widths"]) > 1
+    assert summary["epsilon"] == pytest.approx(epsilon_after(summary["noise_multiplier"], 64 / 42_057, 2, 8e-6, "prv", slack, prior))
     assert summary["epsilon"] <= 8.0 and summary["tied_lm_head"] is (not untie)
     rows = read_run_rows(tmp_path, diagnostics=True)  # with the owner-only diagnostics (train loss, lot size, step time)
     assert rows[0]["step"] == 0 and set(rows[0]) == {"step", "val_nll"}  # the initial weights' validation NLL

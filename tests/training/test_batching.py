@@ -10,7 +10,7 @@ from dpmuon.data import EncodedExample, collate
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition
 from dpmuon.privacy.engines.base import EXAMPLE_MASK
-from dpmuon.training.batching import lot_micro_batches
+from dpmuon.training.batching import bucketed_micro_batches, lot_micro_batches
 
 PAD = VOCAB - 1
 
@@ -94,6 +94,50 @@ def test_filler_rows_release_and_count_nothing(engine):
     assert torch.equal(fixed_stats.clipped, stats.clipped) and int(stats.clipped.sum()) > 0
     assert fixed_stats.loss_sum == pytest.approx(stats.loss_sum, rel=1e-5)
     assert fixed_stats.norm_sum == pytest.approx(stats.norm_sum, rel=1e-5)
+
+
+BUCKETS = ((16, 3), (8, 4), (5, 2))  # (width, rows), widest first
+
+
+def shapes(batches):
+    return [({k: tuple(v.shape) for k, v in b.items()}, int(b[EXAMPLE_MASK].sum())) for b in batches]
+
+
+def test_width_buckets_run_the_same_shapes_whatever_the_lot():
+    """Lots of the longest, the shortest, none or too many examples: the same micro-batches (each
+    width's rows in equal micro-batches of ≤ 24 tokens), each example in a row at least as wide as it."""
+    pool = [example(n) for n in (16, 15, 14, 13, 8, 7, 6, 5, 4, 3, 2)]
+    runs = {name: list(bucketed_micro_batches(pool, lot, BUCKETS, 24, PAD)) for name, lot in
+            {"long": [0, 1, 2], "short": [8, 9, 10], "none": [], "all": list(range(len(pool)))}.items()}  # fmt: skip
+    layouts = {name: [s for s, _ in shapes(batches)] for name, batches in runs.items()}
+    assert all(layout == layouts["none"] for layout in layouts.values())
+    assert [s["input_ids"] for s in layouts["none"]] == [(1, 16), (1, 16), (1, 16), (2, 8), (2, 8), (2, 5)]
+    placed = {name: sum(n for _, n in shapes(batches)) for name, batches in runs.items()}
+    assert placed == {"long": 3, "short": 3, "none": 0, "all": 9}  # all 11: two fit no row left (the charged bad event)
+    for batch in runs["all"]:
+        lengths = (batch["input_ids"] != PAD).sum(dim=1)
+        assert (lengths[batch[EXAMPLE_MASK]] <= batch["input_ids"].shape[1]).all()
+
+
+def test_width_buckets_release_what_one_width_releases():
+    """Rows bucketed by width or all at one width: the same clipped sum (the fast engine keeps every
+    position under constant time; padding changes no example's gradient)."""
+    lot = [0, 2, 3, 5, 6]
+    released = []
+    for bucketed in (False, True):
+        model = tiny_gpt2(tie=True)
+        partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.05, matrix_names=hidden_matrices(model))
+        accountant = PrivacyAccountant(1e-5)
+        privatizer = Privatizer(model, partition, noise_multiplier=0.0, expected_lot_size=5.0, sample_rate=1.0, accountant=accountant, constant_time=True)
+        one_width = lot_micro_batches(EXAMPLES, lot, 3, PAD, fixed_width=16, fixed_rows=True, pad_to=9)
+        batches = bucketed_micro_batches(EXAMPLES, lot, BUCKETS, 24, PAD) if bucketed else one_width
+        stats = privatizer.release(batches, per_example_lm_loss)
+        released.append(({n: p.grad.clone() for n, p in privatizer.params.items()}, stats.lot_size))
+        privatizer.close()
+    (one, size), (bucketed, bucketed_size) = released
+    assert size == bucketed_size == 5
+    for name in one:
+        assert torch.allclose(bucketed[name], one[name], rtol=1e-4, atol=1e-9), name
 
 
 def test_a_malformed_example_mask_is_refused():

@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 
 import torch
-from helpers_train import compose_config, require_real_data
+from helpers_train import compose_config, require_real_data, seed_file_override
 from test_published_values import RELEASE_DERIVED, TINY, fake_wandb
 
 from dpmuon.privacy import mechanism
@@ -121,6 +121,60 @@ def test_two_lot_patterns_emit_the_same_files_times_rows_and_micro_batches(tmp_p
 
     assert console(steady) == console(swinging)
     assert len(console(steady)[1]) >= 6 and not any(re.search(r"\d+:\d+|it/s|s/it", frame) for frame in console(steady)[1])
+
+
+class LengthLots:
+    """The same lot, these indices, every step."""
+
+    def __init__(self, indices):
+        self.indices = indices
+
+    def next_lot(self):
+        return list(self.indices)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_lots_of_the_longest_and_of_the_shortest_examples_run_the_same_width_buckets(tmp_path, monkeypatch, capsys):
+    """Bucketed by width (one mechanism seed: one length-histogram release for both runs, σ = 2 so
+    that 200 examples make several widths), lots of the 16 longest and of the 16 shortest examples
+    run the same micro-batches, print the same lines and publish the same rows."""
+    require_real_data()
+    from dpmuon.data.tokenizer import load_tokenizer
+    from dpmuon.training.data import prepare_data
+
+    overrides = [*TINY, "privacy.length_noise_multiplier=2", seed_file_override(5 << 90)]
+    cfg = compose_config(*overrides)
+    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.get("bpe_merges"))
+    train = prepare_data(cfg.dataset, cfg.data, tokenizer, 128, lambda message: None, progress=False).train
+    by_length = sorted(range(len(train)), key=lambda i: len(train[i].input_ids))
+    runs = {}
+    for name, lot in (("short", by_length[:16]), ("long", by_length[-16:])):
+        batches = []
+        monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, lot=lot, **k: LengthLots(lot))
+
+        def spy(self, batch, loss_fn, batches=batches):
+            batches.append(({k: tuple(v.shape) for k, v in batch.items()}, int(batch[EXAMPLE_MASK].sum())))
+            return CLIPPED_SUM(self, batch, loss_fn)
+
+        monkeypatch.setattr(ENGINES["fast"], "clipped_sum", spy)
+        summary = run(compose_config(*overrides), tmp_path / name)
+        lines = [line.replace(str(tmp_path / name), "RUN") for line in capsys.readouterr().err.splitlines() if line.startswith("[dpmuon]")]
+        console = [re.sub(r"\d+(\.\d+)?(e-?\d+)?", "#", line) for line in lines]
+        runs[name] = summary, batches, console
+    (short, short_batches, short_console), (long, long_batches, long_console) = runs["short"], runs["long"]
+    assert short["widths"] == long["widths"] and len(short["widths"]) > 1 and short["length_noise_multiplier"] == 2.0
+    assert [shape for shape, _ in short_batches] == [shape for shape, _ in long_batches]
+    assert len({shape["input_ids"][1] for shape, _ in short_batches}) == len(short["widths"])
+    lengths = [len(train[i].input_ids) for i in by_length]
+    assert lengths[15] < short["widths"][-1][0] < lengths[-16]  # the long lot cannot use the narrowest rows
+    assert sum(n for _, n in short_batches) == sum(n for _, n in long_batches) == 16 * 6  # every example placed
+    assert short_console == long_console
+    assert {k for k in short if short[k] != long[k]} <= RELEASE_DERIVED
 
 
 def test_train_log_lines_carry_no_wall_clock_time():

@@ -31,6 +31,7 @@ from helpers_train import compose_config, require_real_data
 from dpmuon.errors import UserError
 from dpmuon.privacy import PrivacyAccountant, PrivacyLedger
 from dpmuon.privacy.accountant import ReleaseSlack
+from dpmuon.privacy.ledger import header_history
 from dpmuon.privacy.plan import check_resume_compatible, make_plan
 from dpmuon.training.loop import run
 from dpmuon.training.secret import MECHANISM_SEED_ENV
@@ -43,6 +44,7 @@ SECURE = ["privacy.secure_noise=true", "privacy.noise_multiplier=null", "privacy
 def ledger_epsilon(records: list[dict]) -> float:
     header = records[0]
     accountant = PrivacyAccountant(header["delta"], header["accountant"], ReleaseSlack(**header["release_slack"]))
+    accountant.history = header_history(header)  # the length histogram's release, before the steps
     for r in records[1:]:
         if r["charged"]:
             accountant.step(r["noise_multiplier"], r["sample_rate"])

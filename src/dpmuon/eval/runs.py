@@ -108,6 +108,8 @@ class RunSummary:
     test_sources: int
     train_seconds: float | None = None  # only with non-private diagnostics on: it times the lots
     max_lot_size: int | None = None  # constant-time lots: the rows every step processed (None: lots as drawn)
+    widths: list[list[int]] | None = None  # ...as [width, rows], widest first, when bucketed by width (None: all max_length wide)
+    length_noise_multiplier: float | None = None  # σ of the length histogram's release that chose the widths (charged)
     # Values outside the guarantee in the run's published record (metrics.jsonl, W&B, this file);
     # "oracle_*" stands for the oracle-alignment fields. [] when none were published.
     nonprivate_values_logged: list[str] = field(default_factory=list)

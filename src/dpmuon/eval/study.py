@@ -142,7 +142,7 @@ def from_summary(path: Path, summary: dict[str, Any]) -> RunRecord:
         **_training_set(summary, where),
         private=private,
         delta=_delta(summary.get("delta"), where) if private else None,
-        history=((sigma, q, releases),) if releases else (),
+        history=(*_length_release(summary, "length_noise_multiplier", where), *(((sigma, q, releases),) if releases else ())),
         uncharged=0,
         source=RECONSTRUCTED,
         optimizer=summary.get("optimizer"),
@@ -174,6 +174,7 @@ def _from_ledger(path: Path, summary: dict[str, Any] | None) -> RunRecord:
     if header.get("format") not in LEDGER_FORMATS:
         raise StudyError(f"{file}:1: ledger format {header.get('format')!r}, this reader knows {', '.join(map(str, LEDGER_FORMATS))}")
     history, uncharged = _charged_history(file, records[1:])
+    history = [*_length_release(header.get("length_release") or {}, "noise_multiplier", file), *history]
     if summary is not None:
         _check_against_summary(path, lines, records[1:], summary)
     noiseless = any(sigma <= 0 for sigma, _, _ in history)
@@ -234,6 +235,12 @@ def _charged_history(file: Path, releases: Sequence[dict[str, Any]]) -> tuple[Hi
         else:
             history.append((sigma, q, 1))
     return history, uncharged
+
+
+def _length_release(record: dict[str, Any], key: str, where: Path) -> History:
+    """The length histogram's release before step 1 (constant-time lots bucketed by width), as
+    history: its σ is `record[key]` (None or absent: the run made none)."""
+    return [] if record.get(key) is None else [(_number(record, key, where), 1.0, 1)]
 
 
 def _training_set(record: dict[str, Any], where: Path) -> dict[str, Any]:

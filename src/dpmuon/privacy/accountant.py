@@ -95,6 +95,9 @@ def _opacus_epsilon(accountant: str, history: list[tuple[float, float, int]], de
     with warnings.catch_warnings():
         # PRV sizes its domain with an internal RDP bound that warns about its order grid.
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        # A release of every example (q = 1: the length histogram) takes log(1 − q) = −inf in
+        # PRV's domain mask, which numpy warns about; the mask it gives is the right one.
+        warnings.filterwarnings("ignore", message="divide by zero encountered in log", category=RuntimeWarning)
         eps = float(acc.get_epsilon(delta=delta, **_epsilon_kwargs(accountant)))
     # Numerical breakdown (tiny σ) may give NaN; never let it pass as a small ε.
     return math.inf if math.isnan(eps) else eps
@@ -119,23 +122,41 @@ def check_sample_rate(sample_rate: float) -> None:
         raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
 
 
+History = tuple[tuple[float, float, int], ...]  # (σ, q, releases)
+
+
 @lru_cache(maxsize=4096)
 def epsilon_after(
-    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = default("accountant"), slack: ReleaseSlack = ReleaseSlack()
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: str = default("accountant"),
+    slack: ReleaseSlack = ReleaseSlack(),
+    prior: History = (),
 ) -> float:
-    """ε spent by `steps` releases with (σ, q) at δ; inf without noise, 0 before any step."""
+    """ε spent by `prior` releases and then `steps` releases with (σ, q) at δ; inf without noise,
+    0 before any release. Each release, the prior's too, costs `slack`."""
     _check_accountant(accountant)
-    if steps == 0:
+    history = [*prior, (noise_multiplier, sample_rate, steps)] if steps else list(prior)
+    if not history:
         return 0.0
-    if noise_multiplier <= 0:
+    if any(sigma <= 0 for sigma, _, _ in history):
         return math.inf
-    return slack.epsilon_of(steps, delta, lambda d: _opacus_epsilon(accountant, [(noise_multiplier, sample_rate, steps)], d))
+    releases = sum(n for _, _, n in history)
+    return slack.epsilon_of(releases, delta, lambda d: _opacus_epsilon(accountant, history, d))
 
 
 def calibrate_noise_multiplier(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = default("accountant"), slack: ReleaseSlack = ReleaseSlack()
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = default("accountant"),
+    slack: ReleaseSlack = ReleaseSlack(),
+    prior: History = (),
 ) -> float:
-    """Smallest σ (to the search tolerance) whose ε after `steps` steps, slack included, is ≤ target_epsilon."""
+    """Smallest σ (to the search tolerance) whose ε after `prior` and `steps` steps, slack included, is ≤ target_epsilon."""
     _check_accountant(accountant)
     if target_epsilon <= 0:
         raise ValueError(f"target epsilon must be > 0, got {target_epsilon}")
@@ -144,9 +165,10 @@ def calibrate_noise_multiplier(
     check_sample_rate(sample_rate)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    ideal_target = target_epsilon - steps * slack.epsilon
+    releases = steps + sum(n for _, _, n in prior)
+    ideal_target = target_epsilon - releases * slack.epsilon
     if not ideal_target > 0:
-        raise ValueError(f"the releases' float slack alone ({steps * slack.epsilon:.3g}) exceeds target epsilon {target_epsilon}")
+        raise ValueError(f"the releases' float slack alone ({releases * slack.epsilon:.3g}) exceeds target epsilon {target_epsilon}")
     from opacus.accountants.utils import get_noise_multiplier  # as in _opacus_epsilon: it loads torch
 
     with warnings.catch_warnings():
@@ -160,10 +182,28 @@ def calibrate_noise_multiplier(
             epsilon_tolerance=CALIBRATION_TOLERANCE,
             **_epsilon_kwargs(accountant),
         )
-    spent = epsilon_after(sigma, sample_rate, steps, delta, accountant, slack)
+    if prior:  # Opacus calibrates the steps alone; the prior releases only add to ε, so σ can only grow
+        sigma = _raise_sigma(lambda s: epsilon_after(s, sample_rate, steps, delta, accountant, slack, prior), target_epsilon, sigma)
+    spent = epsilon_after(sigma, sample_rate, steps, delta, accountant, slack, prior)
     if not spent <= target_epsilon:  # the search must never hand back a σ that overspends
         raise RuntimeError(f"calibration returned σ={sigma} with ε={spent} > target {target_epsilon}")
     return float(sigma)
+
+
+def _raise_sigma(epsilon: Callable[[float], float], target: float, sigma: float) -> float:
+    """The least σ' ≥ σ, to the calibration's tolerance, with epsilon(σ') ≤ target: σ itself if it
+    fits, else the upper end of a bracket narrowed until its ε is within CALIBRATION_TOLERANCE."""
+    if epsilon(sigma) <= target:
+        return sigma
+    low, high = sigma, sigma * 1.05
+    while not epsilon(high) <= target:
+        low, high = high, high + 2 * (high - low)
+        if high > 1e6:
+            raise ValueError(f"no noise multiplier up to {high:g} reaches ε ≤ {target}: the prior releases alone spend more")
+    while target - epsilon(high) >= CALIBRATION_TOLERANCE and high - low > 1e-6 * high:
+        middle = (low + high) / 2
+        low, high = (low, middle) if epsilon(middle) <= target else (middle, high)
+    return high
 
 
 class NullAccountant:
@@ -185,6 +225,7 @@ class PrivacyAccountant:
         self.mechanism = accountant
         self.slack = slack  # per release, beyond the ideal mechanism
         self.history: list[tuple[float, float, int]] = []  # (σ, q, consecutive steps)
+        self.prior_releases = 0  # of the history, releases made before step 1 (the length histogram): not steps
 
     def step(self, noise_multiplier: float, sample_rate: float) -> None:
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
@@ -195,7 +236,8 @@ class PrivacyAccountant:
 
     @property
     def steps(self) -> int:
-        return sum(n for _, _, n in self.history)
+        """The charged step releases (the history's releases less the prior ones)."""
+        return sum(n for _, _, n in self.history) - self.prior_releases
 
     def epsilon(self) -> float:
         return self.epsilon_with(extra_steps=0)

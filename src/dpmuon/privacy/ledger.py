@@ -7,7 +7,11 @@ gradient. The line is appended and fsynced inside the privatizer, before the gra
 the optimizer, a log, a checkpoint or W&B — so a crash at any instant can lose work but never a
 release.
 
-ε spent is always the composition of the charged lines. A step re-run after a resume that
+A run whose constant-time lots are bucketed by width released its training set's length
+histogram once, before step 1 (privacy/lot_bound.py): the header holds that release
+(`length_release`: σ, the released counts) and it is charged before the steps.
+
+ε spent is always the composition of the charged lines (and the header's release). A step re-run after a resume that
 releases a bit-identical gradient reveals nothing new and is written uncharged; any other
 re-release is a new release and is charged. `python -m dpmuon.eval.study` composes the
 ledgers of several runs on the same data.
@@ -49,7 +53,7 @@ if TYPE_CHECKING:
 LEDGER_FILE = LEDGER  # in the run folder (run_folder.py names every file a run writes)
 FORMAT = 2  # 1: before the hash chain (no `prev`, no `run_id`)
 # Header fields that must agree between a ledger on disk and the run that continues it.
-IDENTITY = ("dataset", "dataset_size", "delta", "accountant")
+IDENTITY = ("dataset", "dataset_size", "delta", "accountant", "length_release")
 DAMAGED_SUFFIX = ".damaged-"
 
 
@@ -72,6 +76,30 @@ def release_digest(released: Mapping[str, torch.Tensor]) -> str:
         if t.numel():
             h.update(t.view(torch.uint8).numpy())  # the buffer itself: no copy of the model's size
     return h.hexdigest()
+
+
+def header_history(header: Mapping) -> list[tuple[float, float, int]]:
+    """The release a ledger header records, as accountant history: the length histogram's, or none."""
+    release = header.get("length_release")
+    return [(float(release["noise_multiplier"]), 1.0, 1)] if release else []
+
+
+def stored_length_release(path: Path) -> dict | None:
+    """The length histogram release the ledger at `path` records in its header (None: no ledger,
+    or a run that made none). Read before the plan, which depends on it; the ledger's own checks
+    run when it is opened."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+    except FileNotFoundError:
+        return None
+    if not first.endswith(b"\n"):  # torn: the header never reached the disk whole, nor did anything after it
+        return None
+    try:
+        header = json.loads(first)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None  # opening the ledger names the damage
+    return header.get("length_release") if isinstance(header, dict) else None
 
 
 def line_hash(line: bytes) -> str:
@@ -226,8 +254,9 @@ class PrivacyLedger:
         return charged
 
     def charged_history(self) -> list[tuple[float, float, int]]:
-        """The charged releases as accountant history: (σ, q, consecutive steps)."""
-        history: list[tuple[float, float, int]] = []
+        """The charged releases as accountant history: (σ, q, consecutive steps), the header's
+        length histogram (sensitivity 1, every example: q = 1) first."""
+        history: list[tuple[float, float, int]] = header_history(self.header)
         for r in self.releases:
             if not r["charged"]:
                 continue

@@ -1,7 +1,9 @@
 """The whole private release of a run, built in one place from a model, N and the privacy settings.
 
-plan (σ from the target ε, or ε from a given σ) → secret randomness (OS entropy unless the user
-gives a seed: privacy/seed.py) → ledger (fsynced, hash-chained) → block partition → privatizer
+secret randomness (OS entropy unless the user gives a seed: privacy/seed.py) → the length
+histogram's release, when constant-time lots are bucketed by width (privacy/lot_bound.py) → plan
+(σ from the target ε, or ε from a given σ) → ledger (fsynced, hash-chained; its header records
+that release before anything derived from it is said) → block partition → privatizer
 (engine, noise, accountant whose history comes from the ledger) → Poisson lot sampler. The
 training driver (training/loop.py), the façade (`dpmuon.make_private`), the bench and the tests
 all build it here, so each of them releases exactly what the others would.
@@ -12,7 +14,7 @@ What the optimizers may see of it is public: `Mechanism.release_noise_std()`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,8 +25,8 @@ from ..errors import UserError
 from .accountant import PrivacyAccountant
 from .blocks import BlockPartition, build_partition, partition_summary
 from .distributed import SINGLE, DataParallel
-from .ledger import LEDGER_FILE, LedgerIntegrityError, LedgerMismatchError, PrivacyLedger
-from .lot_bound import lot_bound
+from .ledger import LEDGER_FILE, LedgerIntegrityError, LedgerMismatchError, PrivacyLedger, stored_length_release
+from .lot_bound import bucketed_lot_bound, length_histogram, lot_bound
 from .noise import GaussianNoise
 from .plan import PrivacyPlan, check_private_inputs, make_plan, plan_length, within_budget
 from .privatizer import NonPrivateRelease, Privatizer, ReleaseStats, ReplayMismatchError
@@ -122,19 +124,27 @@ def build_mechanism(
     public_seed: int = 0,
     parallel: DataParallel = SINGLE,
     log: Log = print,
+    example_lengths: Sequence[int] | None = None,
+    max_length: int | None = None,
 ) -> Mechanism:
     """The mechanism for `model`'s trainable parameters over a data set of `dataset_size` examples.
 
     `hidden_matrices` (models.hidden_matrices) are the per-matrix blocks; `user_secret` the
     user's mechanism seed (privacy/seed.py; None: OS entropy); `run_dir` holds the ledger (None:
     no ledger, for timing and tests only); `dataset_name` names the private set in its header;
-    `public_seed` drives only a non-private run's lots.
+    `public_seed` drives only a non-private run's lots. `example_lengths` (each training
+    example's tokens, none above `max_length`, the rows' width) let constant-time lots be
+    bucketed by width (privacy.width_buckets); without them every row is one width.
     """
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    # σ is calibrated with what the release's float noise costs, which grows with its size.
-    plan = privacy_plan(settings, dataset_size, released_coordinates=sum(p.numel() for p in named.values()), log=log)
     randomness = mechanism_randomness(user_secret, settings, parallel, public_seed, log)
-    ledger = open_ledger(run_dir, plan, dataset_name, parallel) if run_dir is not None else None
+    lengths = None
+    if example_lengths is not None and max_length is not None and buckets_by_width(settings):
+        lengths = length_release(example_lengths, max_length, float(settings.length_noise_multiplier), randomness, run_dir, parallel)
+    # σ is calibrated with what the release's float noise costs, which grows with its size.
+    plan = privacy_plan(settings, dataset_size, released_coordinates=sum(p.numel() for p in named.values()), lengths=lengths)
+    ledger = open_ledger(run_dir, plan, dataset_name, parallel, lengths) if run_dir is not None else None
+    say_plan(plan, log)
     # On an accelerator the host's cores idle while the lot's gradients are computed: the next
     # release's noise is drawn then (into page-locked buffers). On the CPU the same cores would
     # do both, and drawing ahead measured no faster (docs/performance.md).
@@ -156,13 +166,35 @@ def check_plan_inputs(settings: MechanismSettings, dataset_size: int) -> None:
         check_private_inputs(dataset_size, float(settings.target_epsilon), float(settings.delta), str(settings.accountant))
 
 
-def privacy_plan(settings: MechanismSettings, dataset_size: int, released_coordinates: int, log: Log = print) -> PrivacyPlan:
-    """q, steps and σ, fixed before step 1 (and said)."""
-    max_lot_size, truncation = lot_limit(settings, dataset_size)
-    plan = make_plan(
+def buckets_by_width(settings: MechanismSettings) -> bool:
+    """Whether constant-time lots are bucketed by width (given the examples' lengths)."""
+    return settings.private and settings.constant_time and settings.sampling == "poisson" and int(settings.width_buckets) > 1
+
+
+def length_release(
+    example_lengths: Sequence[int], max_length: int, noise_multiplier: float, randomness: MechanismRandomness, run_dir: Path | None, parallel: DataParallel
+) -> dict:
+    """The length histogram's one release: {"noise_multiplier", "counts"} (counts[l]: examples of
+    l tokens plus N(0, σ²), on the grid), read back from the ledger's header of a run that made
+    it — a resume never draws it again — else drawn from the noise key's lengths domain (the OS
+    CSPRNG in secure mode) on rank 0 and shared. open_ledger records it before it is used."""
+    stored = stored_length_release(Path(run_dir) / LEDGER_FILE) if run_dir is not None and parallel.is_main else None
+    if stored is None and parallel.is_main:
+        counts = torch.from_numpy(length_histogram(example_lengths, max_length))
+        noise = GaussianNoise(randomness.length_stream(), secure=randomness.secure, threads=1)
+        stored = {"noise_multiplier": noise_multiplier, "counts": noise.grid_release(counts, noise_multiplier).tolist()}
+    return parallel.broadcast_object(stored) if parallel.world_size > 1 else stored
+
+
+def privacy_plan(settings: MechanismSettings, dataset_size: int, released_coordinates: int, lengths: dict | None = None) -> PrivacyPlan:
+    """q, steps and σ, fixed before step 1; `lengths` the length histogram's release, if made."""
+    widths, max_lot_size, truncation = lot_limit(settings, dataset_size, lengths)
+    return make_plan(
         max_lot_size=max_lot_size,
         truncation_probability=truncation,
         released_coordinates=released_coordinates,
+        widths=widths,
+        length_noise_multiplier=None if lengths is None else float(lengths["noise_multiplier"]),
         private=settings.private,
         dataset_size=dataset_size,
         expected_lot_size=int(settings.expected_lot_size),
@@ -173,29 +205,43 @@ def privacy_plan(settings: MechanismSettings, dataset_size: int, released_coordi
         accountant=str(settings.accountant),
         noise_multiplier=settings.noise_multiplier,
     )
-    if plan.private:
-        log(
-            f"privacy plan: N={plan.dataset_size:,}, q={plan.sample_rate:.5f}, {plan.steps} steps, "
-            f"σ={plan.noise_multiplier:.4f} → ε={plan.planned_epsilon:.4f} ≤ {plan.target_epsilon} at δ={plan.delta:g} "
-            f"(δ·N={plan.delta_times_n:.3g}, {plan.accountant}; the float64 release of {plan.released_coordinates:,} "
-            f"coordinates adds {plan.steps * plan.slack.epsilon:.2g} to ε)"
-            + (f"; constant-time lots of {plan.max_lot_size} rows (truncated w.p. {plan.truncation_probability:.2g} per step)" if max_lot_size else "")
-        )
-    else:
+
+
+def say_plan(plan: PrivacyPlan, log: Log = print) -> None:
+    if not plan.private:
         log(f"NON-PRIVATE reference run: N={plan.dataset_size:,}, {plan.steps} steps, no clipping, no noise")
-    return plan
+        return
+    lengths = f"after the length histogram's release (σ={plan.length_noise_multiplier:g}), " if plan.length_noise_multiplier else ""
+    widths = ", ".join(f"{rows}×{width}" for width, rows in plan.widths) if plan.widths else None
+    log(
+        f"privacy plan: N={plan.dataset_size:,}, q={plan.sample_rate:.5f}, {lengths}{plan.steps} steps, "
+        f"σ={plan.noise_multiplier:.4f} → ε={plan.planned_epsilon:.4f} ≤ {plan.target_epsilon} at δ={plan.delta:g} "
+        f"(δ·N={plan.delta_times_n:.3g}, {plan.accountant}; the float64 release of {plan.released_coordinates:,} "
+        f"coordinates adds {(plan.steps + len(plan.prior)) * plan.slack.epsilon:.2g} to ε)"
+        + (f"; constant-time lots of {plan.max_lot_size} rows" if plan.max_lot_size else "")
+        + (f" in widths {widths} (rows×tokens)" if widths else "")
+        + (f" (truncated w.p. {plan.truncation_probability:.2g} per step)" if plan.max_lot_size else "")
+    )
 
 
-def lot_limit(settings: MechanismSettings, dataset_size: int) -> tuple[int | None, float]:
-    """Constant-time lots: the rows every step processes (B_max; None: lots as drawn) and the
-    probability per step that a Poisson lot is truncated to them (charged by the accountant)."""
+def lot_limit(settings: MechanismSettings, dataset_size: int, lengths: dict | None = None) -> tuple[tuple[tuple[int, int], ...] | None, int | None, float]:
+    """Constant-time lots: their widths ((width, rows) widest first; None: one width for all rows),
+    the rows every step processes (B_max; None: lots as drawn) and the probability per step that a
+    Poisson lot does not fit them (truncated: charged by the accountant). `lengths`: the length
+    histogram's release, which the widths are chosen from."""
     if not (settings.private and settings.constant_time):
-        return None, 0.0
+        return None, None, 0.0
     lot = int(settings.expected_lot_size)
     if settings.sampling != "poisson":  # shuffled lots all have the expected size
-        return lot, 0.0
+        return None, lot, 0.0
     q, steps = plan_length(dataset_size, lot, settings.epochs, settings.steps)
-    return lot_bound(dataset_size, q, steps, float(settings.target_epsilon), float(settings.delta))
+    if lengths is None:
+        return None, *lot_bound(dataset_size, q, steps, float(settings.target_epsilon), float(settings.delta))
+    widths, p = bucketed_lot_bound(
+        lengths["counts"], float(lengths["noise_multiplier"]), dataset_size, q, steps,
+        float(settings.target_epsilon), float(settings.delta), int(settings.width_buckets),
+    )  # fmt: skip
+    return widths, sum(rows for _, rows in widths), p
 
 
 def mechanism_randomness(
@@ -220,8 +266,9 @@ def share_rank0_randomness(randomness: MechanismRandomness, parallel: DataParall
         randomness.load_state_dict(parallel.broadcast_object(randomness.state_dict() if parallel.is_main else None))
 
 
-def open_ledger(run_dir: Path, plan: PrivacyPlan, dataset_name: str, parallel: DataParallel = SINGLE) -> PrivacyLedger | None:
-    """The run's privacy ledger in `run_dir` (rank 0 of a private run), created or continued."""
+def open_ledger(run_dir: Path, plan: PrivacyPlan, dataset_name: str, parallel: DataParallel = SINGLE, lengths: dict | None = None) -> PrivacyLedger | None:
+    """The run's privacy ledger in `run_dir` (rank 0 of a private run), created or continued;
+    a new one's header records the length histogram's release `lengths`, if made."""
     if not plan.private or not parallel.is_main:
         return None
     header = {
@@ -230,6 +277,7 @@ def open_ledger(run_dir: Path, plan: PrivacyPlan, dataset_name: str, parallel: D
         "delta": plan.delta,
         "accountant": plan.accountant,
         "release_slack": asdict(plan.slack),  # what each release costs beyond the ideal: ε from the ledger alone
+        **({"length_release": lengths} if lengths is not None else {}),
     }
     try:
         return PrivacyLedger(Path(run_dir) / LEDGER_FILE, header)
@@ -293,8 +341,9 @@ def build_privatizer(
     """The privatizer of a private plan over `partition`. Its accountant starts from the ledger's
     charged releases: ε spent always comes from there."""
     accountant = PrivacyAccountant(plan.delta, plan.accountant, plan.slack)
-    history = ledger.charged_history() if ledger is not None else []
+    history = ledger.charged_history() if ledger is not None else list(plan.prior)
     accountant.history = parallel.broadcast_object(history) if parallel.world_size > 1 else history
+    accountant.prior_releases = len(plan.prior)  # in every history of this plan: the ledger's header, or as given here
     return Privatizer(
         model,
         partition,

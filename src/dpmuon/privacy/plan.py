@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..errors import ConfigError, UserError
-from .accountant import NullAccountant, PrivacyAccountant, ReleaseSlack, calibrate_noise_multiplier, epsilon_after, plan_steps
+from .accountant import History, NullAccountant, PrivacyAccountant, ReleaseSlack, calibrate_noise_multiplier, epsilon_after, plan_steps
 from .grid import release_slack
 
 # The largest target ε the PRV accountant is used for: it calibrated ε = 128 (lot 256, 100 steps
@@ -37,6 +37,16 @@ class PrivacyPlan:
     truncation_probability: float = 0.0
     # Coordinates of each release: what the float64 grid noise costs (privacy/grid.py).
     released_coordinates: int = 0
+    # Constant-time lots bucketed by width (privacy/lot_bound.py): (width, rows) widest first, and
+    # σ of the length histogram released once before step 1 to choose them (None: one width, no
+    # such release).
+    widths: tuple[tuple[int, int], ...] | None = None
+    length_noise_multiplier: float | None = None
+
+    @property
+    def prior(self) -> History:
+        """The releases charged before step 1: the length histogram (sensitivity 1, q = 1), if any."""
+        return ((self.length_noise_multiplier, 1.0, 1),) if self.length_noise_multiplier else ()
 
     @property
     def slack(self) -> ReleaseSlack:
@@ -66,28 +76,38 @@ def make_plan(
     max_lot_size: int | None = None,
     truncation_probability: float = 0.0,
     released_coordinates: int = 0,
+    widths: tuple[tuple[int, int], ...] | None = None,
+    length_noise_multiplier: float | None = None,
 ) -> PrivacyPlan:
     q, steps = plan_length(dataset_size, expected_lot_size, epochs, steps)
     if not private:
         return PrivacyPlan(False, dataset_size, expected_lot_size, q, steps, 0.0, None, None, None, None)
     check_private_inputs(dataset_size, target_epsilon, delta, accountant)
     slack = plan_slack(released_coordinates, truncation_probability)
+    prior = ((length_noise_multiplier, 1.0, 1),) if length_noise_multiplier else ()
+    if prior and not (alone := epsilon_after(1.0, q, 0, delta, accountant, slack, prior)) < target_epsilon:
+        raise UserError(
+            f"privacy.length_noise_multiplier={length_noise_multiplier:g}: the length histogram's release spends ε={alone:.4g} "
+            f"on its own, leaving nothing of target ε={target_epsilon:g} for training; valid: a larger σ (the default 20 costs "
+            "≈ 0.004 at ε = 8), or privacy.width_buckets=1 (no release)"
+        )
     if noise_multiplier is None:
-        sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant, slack)
+        sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant, slack, prior)
     else:
         sigma = float(noise_multiplier)
         if sigma <= 0:
             raise UserError(f"privacy.noise_multiplier must be > 0 for a private run, got {sigma}")
-    planned = epsilon_after(sigma, q, steps, delta, accountant, slack)
+    planned = epsilon_after(sigma, q, steps, delta, accountant, slack, prior)
     if not planned <= target_epsilon:  # also refuses a NaN ε
         raise UserError(
             f"this plan spends ε={planned:.4g} > target {target_epsilon:g} (over by {planned - target_epsilon:.3g}): "
-            f"σ={sigma:g}, q={q:.4g}, {steps} steps, δ={delta:g}. Raise the noise multiplier (or leave it null to "
-            "calibrate), or train fewer steps"
+            f"σ={sigma:g}, q={q:.4g}, {steps} steps, δ={delta:g}"
+            + (f", after the length histogram's release (σ={length_noise_multiplier:g})" if prior else "")
+            + ". Raise the noise multiplier (or leave it null to calibrate), or train fewer steps"
         )
     return PrivacyPlan(
         True, dataset_size, expected_lot_size, q, steps, sigma, target_epsilon, delta, accountant, planned,
-        max_lot_size, truncation_probability, released_coordinates,
+        max_lot_size, truncation_probability, released_coordinates, widths, length_noise_multiplier,
     )  # fmt: skip
 
 
@@ -134,24 +154,32 @@ def plan_length(dataset_size: int, expected_lot_size: int, epochs: float | None,
 
 def check_resume_compatible(stored: dict, current: PrivacyPlan) -> None:
     """A resumed run must continue the same mechanism: same N, q, σ, δ, accountant."""
-    for key in ("private", "dataset_size", "sample_rate", "noise_multiplier", "delta", "accountant", "steps", "max_lot_size"):
-        old, new = stored.get(key), getattr(current, key)
+    keys = ("private", "dataset_size", "sample_rate", "noise_multiplier", "delta", "accountant", "steps", "max_lot_size", "widths", "length_noise_multiplier")
+    for key in keys:
+        old, new = _as_lists(stored.get(key)), _as_lists(getattr(current, key))
         same = old == new or (isinstance(old, float) and isinstance(new, float) and math.isclose(old, new, rel_tol=1e-12))
         if not same:
             raise UserError(f"cannot resume: the stored run has {key}={old!r}, this configuration gives {new!r}")
 
 
+def _as_lists(value):
+    """Tuples as lists, at any depth: a plan stored as JSON or by torch compares to the live one."""
+    return [_as_lists(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 def within_budget(accountant: PrivacyAccountant | NullAccountant, plan: PrivacyPlan) -> bool:
     """Would one more release keep ε ≤ target?
 
-    While the ledger is the plan's own (σ, q) and stays within its steps, ε is bounded by the
-    planned ε, which make_plan verified — no accountant call needed. Anything else (a ledger
-    from elsewhere) is checked exactly.
+    While the ledger is the plan's own — its prior releases, then (σ, q) — and stays within its
+    steps, ε is bounded by the planned ε, which make_plan verified: no accountant call needed.
+    Anything else (a ledger from elsewhere) is checked exactly.
     """
     if not plan.private:  # nothing is charged, so there is no budget to exceed
         return True
     history = accountant.history
-    on_plan = all((s, q) == (plan.noise_multiplier, plan.sample_rate) for s, q, _ in history)
-    if on_plan and accountant.steps + 1 <= plan.steps:
+    prior = list(plan.prior)
+    steps = history[len(prior) :] if history[: len(prior)] == prior else None
+    on_plan = steps is not None and all((s, q) == (plan.noise_multiplier, plan.sample_rate) for s, q, _ in steps)
+    if on_plan and sum(n for _, _, n in steps) + 1 <= plan.steps:
         return True
     return accountant.epsilon_with(1, plan.noise_multiplier, plan.sample_rate) <= plan.target_epsilon

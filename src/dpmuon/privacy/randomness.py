@@ -37,15 +37,22 @@ CHUNK = 1 << 16  # elements per generator of a draw: fits in cache while it is n
 # to here); past 12.23 it has none at all. A draw beyond it has probability 1.2e-15, so the outputs
 # of every practical run are those of the plain ziggurat.
 TAIL_REDRAW = 8.0
+LENGTHS_DOMAIN = 1  # the noise key's counters of the one length-histogram release (lanes 2 and 3)
 
 
 class SecretStream:
-    """Independent draws from one 128-bit key; the stream's position is the number of draws made."""
+    """Independent draws from one 128-bit key; the stream's position is the number of draws made.
 
-    def __init__(self, key: int):
+    Streams of one key in different domains never share a draw (domain 0: the steps' noise;
+    LENGTHS_DOMAIN: the length histogram's, privacy/lot_bound.py). The domain goes in the
+    counter's last word, above the lane: its first word is the one Philox increments as it runs,
+    so a domain there would only start the same stream a block later."""
+
+    def __init__(self, key: int, domain: int = 0):
         if not 0 <= key < 1 << KEY_BITS:
             raise ValueError(f"a stream key has {KEY_BITS} bits, got {key.bit_length()}")
         self.key = key
+        self.domain = domain
         self.draws = 0
 
     def generators(self, chunks: int = 1) -> list[np.random.Generator]:
@@ -87,7 +94,7 @@ class SecretStream:
 
     def _generator(self, chunk: int, draw: int, lane: int) -> np.random.Generator:
         key = np.array([self.key & (2**64 - 1), self.key >> 64], dtype=np.uint64)
-        return np.random.Generator(np.random.Philox(key=key, counter=[0, chunk, draw, lane]))
+        return np.random.Generator(np.random.Philox(key=key, counter=[0, chunk, draw, 2 * self.domain + lane]))
 
     def state_dict(self) -> dict:
         return {"key": f"{self.key:032x}", "draws": self.draws}
@@ -110,6 +117,10 @@ class MechanismRandomness:
         words = np.random.SeedSequence(secret, pool_size=8).generate_state(4, dtype=np.uint64)
         self.sampler.key = int(words[0]) | int(words[1]) << 64
         self.noise.key = int(words[2]) | int(words[3]) << 64
+
+    def length_stream(self) -> SecretStream:
+        """The noise key's stream of the length histogram's release: never a step's draw."""
+        return SecretStream(self.noise.key, domain=LENGTHS_DOMAIN)
 
     def reseed_from_os_entropy(self) -> None:
         """Fresh, never-used draws from here on (after a replay that did not reproduce its output)."""

@@ -58,6 +58,13 @@ class PrivacySettings(Settings):
         "pad every lot to a fixed bound (B_max ≈ lot + 8√lot; a larger Poisson lot is truncated and the chance charged) in fixed "
         "shapes, so step times reveal nothing (costs the padding)",
     )
+    width_buckets: int = option(
+        8,
+        "constant-time lots in up to this many fixed widths, chosen from the training set's length histogram released once "
+        "before step 1 (charged; 1: every row max_length wide, nothing released). The driver only: make_private and DPTrainer pad to one width",
+        ge=1,
+    )
+    length_noise_multiplier: float = option(20.0, "σ of the length histogram's one Gaussian release (sensitivity 1; ≈ +0.004 ε at ε = 8)", gt=0)
     mechanism_seed_file: str | None = option(
         None, "owner-only file holding the secret seed of lots and noise (null: $DPMUON_MECHANISM_SEED, else fresh OS entropy)"
     )

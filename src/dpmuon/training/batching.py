@@ -15,7 +15,10 @@ give them factor 0 and leave them out of every count.
 
 Constant-time lots (privacy.constant_time) go one step further: `pad_to` fills the lot up with
 such rows to a fixed row count, so every step runs the same number of same-shaped micro-batches
-whatever the lot's size, and its duration says nothing about it.
+whatever the lot's size, and its duration says nothing about it. Bucketed by width
+(privacy.width_buckets, privacy/lot_bound.py), the rows come in a few fixed widths instead of
+all at max_length: `bucketed_micro_batches` places the lot's examples in them, longest first,
+and each width's rows run in equal micro-batches of at most the token count of a full-width one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..data import EncodedExample, collate
 from ..data.encoding import IGNORE_INDEX
 from ..errors import UserError
 from ..privacy.engines.base import EXAMPLE_MASK
+from ..privacy.lot_bound import Buckets, fit_lot
 from .runtime import log
 
 
@@ -72,6 +76,41 @@ def lot_micro_batches(
         if fixed_rows:
             batch[EXAMPLE_MASK] = torch.arange(micro_batch_size) < len(chosen)
         yield batch
+
+
+def bucketed_micro_batches(
+    examples: Sequence[EncodedExample], lot: Sequence[int], buckets: Buckets, tokens: int, pad_id: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The lot's examples in the fixed shapes of `buckets` ((width, rows), widest first): each
+    width's rows in equal micro-batches of at most ⌊tokens / width⌋ rows (its rows rounded up to a
+    multiple of their count, which only adds room), filled up with label-free rows and carrying
+    `EXAMPLE_MASK`. The same micro-batches whatever the lot; an example that fits no row left (the
+    charged bad event: privacy/lot_bound.py `fit_lot`) is left out."""
+    shapes = []  # (width, micro-batches, rows each)
+    for width, rows in buckets:
+        count = -(-rows // max(1, tokens // width))
+        shapes.append((width, count, -(-rows // count)))
+    placed, _ = fit_lot([len(examples[i].input_ids) for i in lot], tuple((width, count * each) for width, count, each in shapes))
+    for (width, count, each), members in zip(shapes, placed, strict=True):
+        for start in range(0, count * each, each):
+            chosen = [examples[lot[j]] for j in members[start : start + each]]
+            batch = _right_pad(collate(chosen + [_filler_row(pad_id)] * (each - len(chosen)), pad_id), width, pad_id)
+            batch[EXAMPLE_MASK] = torch.arange(each) < len(chosen)
+            yield batch
+
+
+def rank_share(buckets: Buckets, world: int) -> Buckets:
+    """One rank's buckets when a lot, longest first, is dealt out over `world` ranks in turn: the
+    slots at least as wide as each width are ⌈(the lot's) / world⌉, so if the lot fits the buckets
+    every rank's share fits its own (rank 0 holds the most)."""
+    share, wider, slots = [], 0, 0
+    for width, rows in buckets:
+        slots += rows
+        mine = -(-slots // world)
+        if mine > wider:
+            share.append((width, mine - wider))
+        wider = mine
+    return tuple(share)
 
 
 def _filler_row(pad_id: int) -> EncodedExample:

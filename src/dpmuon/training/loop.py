@@ -48,7 +48,7 @@ from ..privacy.state import (
     restore_mechanism,
     verify_ledger,
 )
-from .batching import fixed_batch_shape, lot_micro_batches
+from .batching import bucketed_micro_batches, fixed_batch_shape, lot_micro_batches, rank_share
 from .checkpoint import CHECKPOINT_FILE, checkpoint, failed_writes_stop, load_checkpoint, restore_weights, rng_restore, save_mechanism, spent_without_checkpoint
 from .data import prepare_data
 from .diagnostics import build_oracle, diagnostic_fields, diagnostics_mode, restore_oracle
@@ -144,7 +144,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     initial_weights = weights_fingerprint(model)
     matrices = hidden_matrices(model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    mechanism = run_mechanism(cfg, settings, run_dir, model, len(data.train), matrices, parallel)
+    width, one_shape = row_shape(cfg, max_length, device)
+    mechanism = run_mechanism(cfg, settings, run_dir, model, data.train, width, one_shape, matrices, parallel)
     plan = mechanism.plan
     generators = {"probes": torch.Generator(device=device).manual_seed(int(cfg.seed) * 3 + 3)}
     optimizer = build_optimizer(
@@ -154,11 +155,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
     with blamed_on("optimizer.warmup_steps", cfg.optimizer.warmup_steps):
         scheduler = build_scheduler(optimizer, cfg.optimizer.schedule, plan.steps, int(cfg.optimizer.warmup_steps))
     oracle = build_oracle(cfg, getattr(optimizer, "parts", {}).get("muon"), {p: n for n, p in named.items()}, mechanism.release, parallel)
-    # Under bf16 a kernel's rounding depends on the batch shape: fixed shapes keep each example's
-    # clipped contribution independent of the rest of the lot (see training/batching.py).
-    # Constant-time lots need them too: a micro-batch's width would time its longest example.
-    constant = plan.max_lot_size is not None
-    fixed_shape = plan.private and (constant or fixed_batch_shape(cfg, resolve_precision(cfg.trainer.precision, device)))
+    constant = plan.max_lot_size is not None  # constant-time lots: fixed shapes too (a width would time the longest example)
+    fixed_shape = plan.private and (constant or one_shape)
     own_file = plan.private and diagnostics_mode(cfg) == "file" and parallel.is_main  # rank 0 writes the run's files
     if plan.private and not constant and diagnostics_mode(cfg) != "publish":
         log("privacy.constant_time=false: step times track the lot sizes, and so do the times W&B, the console and the file times record")
@@ -180,23 +178,45 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
         optimizer=optimizer,
         scheduler=scheduler,
         oracle=oracle,
-        fixed_width=min(int(cfg.dataset.max_length), max_length) if fixed_shape else None,
+        fixed_width=width if fixed_shape else None,
         metrics=MetricsLog(run_dir / run_folder.METRICS),
         diagnostic_rows=MetricsLog(run_dir / run_folder.DIAGNOSTICS, secret=True) if own_file else None,
         padded_rows=-(-plan.max_lot_size // parallel.world_size) if constant else None,  # shard() gives rank 0 the most
+        widths=rank_share(plan.widths, parallel.world_size) if plan.widths else None,
     )
 
 
+def row_shape(cfg: DictConfig, context_length: int, device: torch.device) -> tuple[int, bool]:
+    """The width of fixed-shape rows, and whether every micro-batch must have one shape: under bf16
+    a kernel's rounding depends on the batch shape, and one shape keeps each example's clipped
+    contribution independent of the rest of the lot (see training/batching.py)."""
+    return min(int(cfg.dataset.max_length), context_length), fixed_batch_shape(cfg, resolve_precision(cfg.trainer.precision, device))
+
+
 def run_mechanism(
-    cfg: DictConfig, settings: MechanismSettings, run_dir: Path, model: torch.nn.Module, dataset_size: int, matrices: dict, parallel: DataParallel
+    cfg: DictConfig,
+    settings: MechanismSettings,
+    run_dir: Path,
+    model: torch.nn.Module,
+    train: list,
+    width: int,
+    one_shape: bool,
+    matrices: dict,
+    parallel: DataParallel,
 ) -> Mechanism:
-    """The run's mechanism (privacy/mechanism.py), its ledger in the run directory."""
+    """The run's mechanism (privacy/mechanism.py) over the training examples `train`, its ledger
+    in the run directory; constant-time rows at most `width` tokens wide, in width buckets unless
+    every micro-batch must have `one_shape`."""
+    # Width buckets under bf16 would move the other examples' contributions: which width an
+    # example gets depends on the longer ones in its lot, and bf16 kernels round by shape.
+    if one_shape and settings.private and settings.constant_time and int(settings.width_buckets) > 1:
+        log("constant-time lots in one width: under bf16 width buckets would move other examples' contributions (privacy.width_buckets is for fp32)")
     if settings.private:
         parallel.on_main(lambda: check_ledger_kept(run_dir))
     # The mechanism's randomness is secret (never from `seed`); `seed` drives what is public.
     return build_mechanism(
         model,
-        dataset_size,
+        len(train),
         settings,
         hidden_matrices=matrices,
         user_secret=user_mechanism_secret(cfg),
@@ -205,11 +225,13 @@ def run_mechanism(
         public_seed=int(cfg.seed),
         parallel=parallel,
         log=log,
+        example_lengths=None if one_shape else [len(example.input_ids) for example in train],
+        max_length=width,
     )
 
 
 # Privacy options a run stored before they existed ran without: a resume keeps what it ran with.
-OPTIONS_BEFORE_THEY_EXISTED = {"constant_time": False, "engine_fallback": "generic"}
+OPTIONS_BEFORE_THEY_EXISTED = {"constant_time": False, "engine_fallback": "generic", "width_buckets": 1}
 
 
 def privacy_settings(cfg: DictConfig) -> MechanismSettings:
@@ -351,8 +373,13 @@ def release_step(t: Training, step: int):
 def lot_batches(t: Training, lot: list[int]):
     """This rank's share of the lot as device micro-batches."""
     size, pad_id = int(t.cfg.trainer.micro_batch_size), t.tokenizer.pad_token_id
-    shard = t.parallel.shard(lot)
-    batches = lot_micro_batches(t.data.train, shard, size, pad_id, fixed_width=t.fixed_width, fixed_rows=t.fixed_width is not None, pad_to=t.padded_rows)
+    if t.widths is not None:
+        # Longest first, dealt out in turn: each rank's share fits its share of the buckets.
+        ordered = sorted(lot, key=lambda i: (-len(t.data.train[i].input_ids), i))
+        batches = bucketed_micro_batches(t.data.train, t.parallel.shard(ordered), t.widths, size * t.fixed_width, pad_id)
+    else:
+        shard = t.parallel.shard(lot)
+        batches = lot_micro_batches(t.data.train, shard, size, pad_id, fixed_width=t.fixed_width, fixed_rows=t.fixed_width is not None, pad_to=t.padded_rows)
     for batch in batches:
         yield {k: v.to(t.device) for k, v in batch.items()}
 

@@ -47,6 +47,7 @@ class Training:
     metrics: MetricsLog
     diagnostic_rows: MetricsLog | None = None  # diagnostics.jsonl (owner-only): logging.nonprivate_diagnostics=file
     padded_rows: int | None = None  # constant-time lots: the rows this rank processes every step
+    widths: tuple[tuple[int, int], ...] | None = None  # ...in these (width, rows), when bucketed by width
     logger: Any = None
     start_step: int = 0
     last_step: int = 0

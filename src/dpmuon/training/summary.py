@@ -64,6 +64,8 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         test_sources=len(t.data.test_items) if cfg.eval.test else 0,
         train_seconds=t.train_seconds if t.publish_diagnostics else None,
         max_lot_size=t.plan.max_lot_size,
+        widths=[list(bucket) for bucket in t.plan.widths] if t.plan.widths else None,
+        length_noise_multiplier=t.plan.length_noise_multiplier,
         nonprivate_values_logged=nonprivate_values_logged(t),
         git_commit=version,
         command=command,
