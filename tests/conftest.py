@@ -76,7 +76,7 @@ def fast_squared_norms(engine, batch, loss_fn):
     exposes only clipped sums, but its norms are what the tests compare with a reference."""
     from dpmuon.privacy.engines.base import full_precision
 
-    losses, calls = engine._forward(batch, loss_fn)
+    losses, calls, _ = engine._forward(batch, loss_fn)
     with full_precision(losses.device):
         traces = engine._backward(losses, calls)
         return engine._squared_norms(traces, losses.shape[0], losses.device), losses.detach()

@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dpmuon.optim.newton_schulz import newton_schulz
-from dpmuon.optim.sharded import orthogonalize_row_shards, owners, row_range
+from dpmuon.optim.sharded import orthogonalize_row_shards, owners
+from dpmuon.row_shards import row_range
 
 SHAPES = [(5, 7), (64, 32), (3, 9), (1, 4), (8, 8)]  # odd row counts, and one with a rank holding no row
 

@@ -39,13 +39,15 @@ def corrected_and_plain(
     num_probes: int = 1,
     generator: torch.Generator | None = None,
     match_norm: bool = False,
+    probes: torch.Tensor | None = None,
     **ns_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(F_BC(M), F(M)); with `match_norm`, F_BC scaled per matrix to ‖F(M)‖_F.
 
     noise_std may be a float or a tensor broadcastable to M's leading (batch) dimensions plus
     two trailing singleton dimensions. F(M) and all 2K probe evaluations run as one batched
-    Newton–Schulz call. With s = 0 or K = 0 F_BC is plain F(M).
+    Newton–Schulz call. With s = 0 or K = 0 F_BC is plain F(M). `probes` (K, *M.shape) are the
+    U_k when the caller drew them (`draw_probes`), else they are drawn here from `generator`.
     """
     if probe_scale <= 0:
         raise ValueError(f"probe_scale must be > 0, got {probe_scale}")
@@ -56,7 +58,8 @@ def corrected_and_plain(
         plain = newton_schulz(M, **ns_kwargs)
         return plain, plain
     rho = probe_scale * s
-    probes = torch.randn((num_probes, *M.shape), generator=generator, dtype=M.dtype, device=M.device)
+    if probes is None:
+        probes = draw_probes(M.shape, num_probes, generator, M.dtype, M.device)
     stacked = torch.cat([M.unsqueeze(0), M + rho * probes, M - rho * probes])
     out = newton_schulz(stacked, **ns_kwargs)
     plain, smoothed = out[0], out[1:].mean(dim=0)
@@ -65,3 +68,12 @@ def corrected_and_plain(
         norm = torch.linalg.matrix_norm
         corrected = corrected * (norm(plain) / norm(corrected).clamp_min(torch.finfo(corrected.dtype).tiny))[..., None, None]
     return corrected, plain
+
+
+def draw_probes(
+    shape: torch.Size | tuple[int, ...], num_probes: int, generator: torch.Generator | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The K probes U_k ~ N(0, I) of a (batch of) matrices of `shape`, in one draw: the draw's
+    values depend on its whole shape, so ranks that each orthogonalize part of a batch draw it
+    whole, in step, and take their part (optim/muon.py)."""
+    return torch.randn((num_probes, *shape), generator=generator, dtype=dtype, device=device)

@@ -12,11 +12,14 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from .bias_correction import corrected_and_plain
+from .bias_correction import corrected_and_plain, draw_probes
 from .choices import BC_NOISE_STDS, UPDATE_SCALES
 from .momentum import MomentumRule, advance
 from .newton_schulz import newton_schulz
+from .sharded import gather_to_owners, scatter_from_owners
 
 LAYOUTS = ("out_in", "in_out")
 
@@ -140,48 +143,65 @@ class Muon(torch.optim.Optimizer):
 
     def _step_group(self, group: dict) -> None:
         rule = MomentumRule.create(group["momentum"], group["momentum_kind"], group["nesterov"])
-        # Matrices of equal shape and correction mode are orthogonalized in one batched call.
-        pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, float]]] = defaultdict(list)
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            update, noise_std = self._momentum_update(p, p.grad, rule)
-            snr = estimate_snr(update, noise_std)
-            if group["noise_std"] == "step":
-                noise_std = self._release_std[p]
-            self.snr[p] = snr
-            correct = group["bias_correction"] and noise_std > 0 and (group["min_snr"] is None or snr > group["min_snr"])
-            pending[(tuple(p.shape), correct)].append((p, update, noise_std))
+        params = [p for p in group["params"] if p.grad is not None]
+        moved = [self._momentum_update(p, p.grad, rule) for p in params]
+        if any(isinstance(p, DTensor) for p in params):
+            # FSDP2's row shards: each matrix is orthogonalized whole, once, on its owner (optim/sharded.py).
+            shards, rows = [u.to_local() for u, _ in moved], [p.shape[0] for p in params]
+            mesh_group = params[0].device_mesh.get_group()
+            wholes = gather_to_owners(shards, rows, mesh_group)
+            ortho = scatter_from_owners(self._orthogonalized(group, params, wholes, [s for _, s in moved], mesh_group), shards, rows, mesh_group)
+            targets = [p.to_local() for p in params]  # without autograd, the shard itself: updated in place
+        else:
+            ortho = self._orthogonalized(group, params, [u for u, _ in moved], [s for _, s in moved])
+            targets = params
+        for p, target, o in zip(params, targets, ortho):
+            scale = update_scale_factor(group["update_scale"], p.shape, self._layout[p])
+            if group["weight_decay"]:
+                target.mul_(1 - group["lr"] * group["weight_decay"])
+            target.add_(o.to(target.dtype), alpha=-group["lr"] * scale)
 
-        ns_kwargs = dict(
-            steps=group["ns_steps"],
-            coefficients=group["ns_coefficients"],
-            normalize=group["ns_normalize"],
-            dtype=self.ns_dtype,
-        )
-        self.norm_ratio = {}
-        for (_, correct), items in pending.items():
-            matrices = torch.stack([u for _, u, _ in items])
+    def _orthogonalized(
+        self, group: dict, params: list[torch.Tensor], matrices: list[torch.Tensor | None], stds: list[float], mesh_group=None
+    ) -> list[torch.Tensor | None]:
+        """F(M) (or F_BC(M)) of each matrix this rank holds whole (None: another rank's), with
+        matrices of equal shape and correction mode orthogonalized in one batched call. Sharded
+        (`mesh_group`), the SNRs and norm ratios are gathered from the owners, so every rank has
+        them and decides alike, and each batch's probes are drawn whole on every rank: the
+        generator then moves, and each matrix gets, what one process draws."""
+        snr = {i: estimate_snr(m, s) for i, (m, s) in enumerate(zip(matrices, stds)) if m is not None}
+        snr = _merged(snr, mesh_group)
+        self.snr.update({p: snr[i] for i, p in enumerate(params)})
+        pending: dict[tuple, list[int]] = defaultdict(list)
+        noise_stds = [self._release_std[p] if group["noise_std"] == "step" else s for p, s in zip(params, stds)]
+        for i, p in enumerate(params):
+            correct = group["bias_correction"] and noise_stds[i] > 0 and (group["min_snr"] is None or snr[i] > group["min_snr"])
+            pending[(tuple(p.shape), correct)].append(i)
+        ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"], normalize=group["ns_normalize"], dtype=self.ns_dtype)
+        out: list[torch.Tensor | None] = [None] * len(params)
+        ratios = {}
+        for (shape, correct), items in pending.items():
+            here = [j for j, i in enumerate(items) if matrices[i] is not None]
+            probes = None
+            if correct and group["num_probes"] > 0:
+                device = params[items[0]].device
+                probes = draw_probes((len(items), *shape), group["num_probes"], self.generator, torch.float32, device)[:, here]
+            if not here:
+                continue
+            stacked = torch.stack([matrices[items[j]] for j in here])
             if correct:
-                stds = torch.tensor([s for _, _, s in items], dtype=matrices.dtype, device=matrices.device)
+                stds_here = torch.tensor([noise_stds[items[j]] for j in here], dtype=stacked.dtype, device=stacked.device)
                 ortho, plain = corrected_and_plain(
-                    matrices,
-                    stds.view(-1, 1, 1),
-                    probe_scale=group["probe_scale"],
-                    num_probes=group["num_probes"],
-                    generator=self.generator,
-                    match_norm=group["match_norm"],
-                    **ns_kwargs,
-                )
-                ratios = torch.linalg.matrix_norm(ortho) / torch.linalg.matrix_norm(plain)
-                self.norm_ratio.update({p: float(r) for (p, _, _), r in zip(items, ratios)})
+                    stacked, stds_here.view(-1, 1, 1), probe_scale=group["probe_scale"], num_probes=group["num_probes"],
+                    generator=self.generator, match_norm=group["match_norm"], probes=probes, **ns_kwargs,
+                )  # fmt: skip
+                ratios.update({items[j]: float(r) for j, r in zip(here, torch.linalg.matrix_norm(ortho) / torch.linalg.matrix_norm(plain))})
             else:
-                ortho = newton_schulz(matrices, **ns_kwargs)
-            for (p, _, _), o in zip(items, ortho):
-                scale = update_scale_factor(group["update_scale"], p.shape, self._layout[p])
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(o.to(p.dtype), alpha=-group["lr"] * scale)
+                ortho = newton_schulz(stacked, **ns_kwargs)
+            for j, o in zip(here, ortho):
+                out[items[j]] = o
+        self.norm_ratio = {params[i]: r for i, r in _merged(ratios, mesh_group).items()}
+        return out
 
     def _momentum_update(self, p: torch.Tensor, grad: torch.Tensor, rule: MomentumRule):
         """Advance the buffer of p; return the matrix to orthogonalize and its noise std."""
@@ -195,3 +215,12 @@ class Muon(torch.optim.Optimizer):
         update_var = rule.update_variance(state["buffer_noise_var"], grad_var)
         state["buffer_noise_var"] = rule.buffer_variance(state["buffer_noise_var"], grad_var)
         return advance(buf, grad, rule), math.sqrt(update_var)
+
+
+def _merged(found: dict[int, float], mesh_group) -> dict[int, float]:
+    """The ranks' values by matrix index, merged on every rank (unchanged in one process)."""
+    if mesh_group is None:
+        return found
+    everyone = [None] * dist.get_world_size(mesh_group)
+    dist.all_gather_object(everyone, found, group=mesh_group)
+    return {i: v for part in everyone for i, v in part.items()}

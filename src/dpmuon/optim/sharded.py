@@ -20,11 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-
-def row_range(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """The rows [start, stop) of an m-row matrix that `rank` holds (FSDP2's dim-0 sharding)."""
-    per_rank = -(-rows // world)
-    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+from ..row_shards import row_range
 
 
 def owners(shapes: Sequence[tuple[int, int]], world: int) -> list[int]:
@@ -45,24 +41,50 @@ def orthogonalize_row_shards(
     (`shards[i]`: rows `row_range(rows[i], world, rank)` of an rows[i] × n matrix). Every rank
     calls it with its shards of the same matrices in the same order; `orthogonalize` runs once
     per matrix, on its owner."""
+    wholes = gather_to_owners(shards, rows, group)
+    return scatter_from_owners([None if whole is None else orthogonalize(whole) for whole in wholes], shards, rows, group)
+
+
+def gather_to_owners(shards: Sequence[torch.Tensor], rows: Sequence[int], group: dist.ProcessGroup | None = None) -> list[torch.Tensor | None]:
+    """Each matrix whole on its owner (`owners`), None on the other ranks, from every rank's rows
+    of it (as in `orthogonalize_row_shards`). An owner holds all its matrices at once: about
+    1/world of them."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     owner = owners([(m, shard.shape[1]) for m, shard in zip(rows, shards)], world)
-    updates = []
+    wholes: list[torch.Tensor | None] = []
     for shard, m, own in zip(shards, rows, owner):
         ranges = [row_range(m, world, r) for r in range(world)]
-        width = ranges[0][1] - ranges[0][0]  # rank 0 holds the most rows
-        padded = shard.new_zeros(width, shard.shape[1])
-        padded[: shard.shape[0]] = shard
-        at = own if group is None else dist.get_global_rank(group, own)
+        padded = _padded(shard, ranges)
         gathered = [torch.empty_like(padded) for _ in range(world)] if rank == own else None
-        dist.gather(padded, gathered, dst=at, group=group)
-        pieces = None
-        if rank == own:
-            update = orthogonalize(torch.cat([piece[: stop - start] for piece, (start, stop) in zip(gathered, ranges)]))
-            pieces = [update.new_zeros(width, update.shape[1]) for _ in range(world)]
-            for piece, (start, stop) in zip(pieces, ranges):
-                piece[: stop - start] = update[start:stop]
-        received = torch.empty_like(padded)
-        dist.scatter(received, pieces, src=at, group=group)
-        updates.append(received[: shard.shape[0]])
-    return updates
+        dist.gather(padded, gathered, dst=_global(own, group), group=group)
+        wholes.append(torch.cat([piece[: stop - start] for piece, (start, stop) in zip(gathered, ranges)]) if rank == own else None)
+    return wholes
+
+
+def scatter_from_owners(
+    wholes: Sequence[torch.Tensor | None], shards: Sequence[torch.Tensor], rows: Sequence[int], group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """This rank's rows of each matrix, sent by its owner (which passes it whole in `wholes`; the
+    others pass None); `shards` give this rank's rows' shapes, as for `gather_to_owners`."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    owner = owners([(m, shard.shape[1]) for m, shard in zip(rows, shards)], world)
+    received_rows = []
+    for whole, shard, m, own in zip(wholes, shards, rows, owner):
+        ranges = [row_range(m, world, r) for r in range(world)]
+        pieces = [_padded(whole[start:stop], ranges) for start, stop in ranges] if rank == own else None
+        received = torch.empty_like(_padded(shard, ranges))
+        dist.scatter(received, pieces, src=_global(own, group), group=group)
+        received_rows.append(received[: shard.shape[0]])
+    return received_rows
+
+
+def _padded(piece: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """`piece` padded with zero rows to a rank's largest share (rank 0 holds the most rows):
+    gather and scatter move equal-sized tensors."""
+    padded = piece.new_zeros(ranges[0][1] - ranges[0][0], piece.shape[1])
+    padded[: piece.shape[0]] = piece
+    return padded
+
+
+def _global(rank: int, group: dist.ProcessGroup | None) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)

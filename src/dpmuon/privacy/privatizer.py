@@ -28,6 +28,7 @@ from .engines import PerExampleLoss, build_engine
 from .ledger import PrivacyLedger, release_digest
 from .noise import GaussianNoise, block_noise_stds
 from .settings import default
+from .sharded import as_shard_grad, reduce_rows_in_rank_order, rows_of, shard_digest, sharded, together
 
 
 class NonFiniteReleaseError(RuntimeError):
@@ -120,6 +121,10 @@ class Privatizer:
         self.noise_may_repeat = not self.noise.secure
         # Whether a micro-batch passed the loss and coupling checks (conformance.py): once per privatizer.
         self.conformance_checked = False
+        # FSDP2 row shards (privacy/sharded.py): each rank releases, and noises, only its own rows.
+        self.sharded = sharded(self.params, self.parallel.world_size)
+        if self.sharded and self.observe_noise_free is not None:
+            raise ValueError("the noise-free diagnostics need the whole clipped sum on one rank; a sharded release has no rank that holds it")
 
     def release_noise_std(self) -> dict[str, float]:
         """Public per-entry noise std of g̃ for each parameter: std_W / B_expected."""
@@ -142,15 +147,9 @@ class Privatizer:
 
         With a ledger, `step` names the release; the ledger line is durable before p.grad is set.
         """
-        # Refusals of user code that voids clipping (privacy/conformance.py) come before anything
-        # is noised, recorded or charged, and leave the model's buffers as they were.
-        guard = StateGuard(self.model)
-        try:
-            summed, stats = self._clipped_total(micro_batches, loss_fn)
-            guard.check()
-        except BaseException:
-            guard.restore()
-            raise
+        if self.sharded:
+            return self._release_shards(micro_batches, loss_fn, step)
+        summed, stats = self._guarded_total(micro_batches, loss_fn)
         for name, p in self.params.items():
             if name not in summed:  # an empty lot
                 summed[name] = torch.zeros_like(p, dtype=torch.float64)
@@ -163,14 +162,9 @@ class Privatizer:
             self.parallel.all_reduce_sum(list(released.values()))  # x + 0 = x: rank 0's values exactly
         else:  # every rank draws the same keyed noise: the same release, with no second all-reduce
             released = self._noised(summed)
-        bad = [name for name, g in released.items() if not _all_finite(g)]
-        if bad:  # checked before any p.grad is written: nothing half-released
-            raise NonFiniteReleaseError(
-                f"released gradient is not finite in {len(bad)} tensor(s) (first: {bad[0]}); refusing to "
-                "update the model — the clipped sum or the noise is broken, not the data"
-            )
+        _refuse_nonfinite(released)  # before any p.grad is written: nothing half-released
         with record_function("dpmuon.ledger"):
-            stats.charged = self._record(step, released)
+            stats.charged = self._record(step, release_digest(released) if self.parallel.is_main and self.ledger is not None else None)
         if noise_free is not None:
             self.observe_noise_free(noise_free)
         if stats.charged:
@@ -180,6 +174,57 @@ class Privatizer:
         # The next release's noise depends on no data: it is drawn while the next lot is computed.
         self.noise.draw_ahead(self._noise_sizes)
         return stats
+
+    def _guarded_total(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], ReleaseStats]:
+        """`_clipped_total`, with refusals of user code that voids clipping (privacy/conformance.py)
+        coming before anything is noised, recorded or charged, and leaving the model's buffers as
+        they were."""
+        guard = StateGuard(self.model)
+        try:
+            summed, stats = self._clipped_total(micro_batches, loss_fn)
+            guard.check()
+        except BaseException:
+            guard.restore()
+            raise
+        return summed, stats
+
+    def _release_shards(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss, step: int | None) -> ReleaseStats:
+        """`release` on FSDP2's row shards (privacy/sharded.py): the lot's float64 totals reduced in
+        rank order to this rank's rows, its rows noised, p.grad its shard of the release. A
+        failure on any rank stops every rank (`together`) before the next collective. No noise
+        is drawn ahead: a shard's is drawn at its offset (`GaussianNoise.grid_release_slice`),
+        not as a whole tensor."""
+        rank, world = self.parallel.rank, self.parallel.world_size
+        summed, stats = together(lambda: self._guarded_total(micro_batches, loss_fn), rank, world)
+        stats = _reduce_stats(stats, self.parallel)
+        shards = {}
+        for name, p in self.params.items():  # every rank, every parameter, in order: collectives
+            total = summed.pop(name) if name in summed else torch.zeros(p.shape, dtype=torch.float64, device=p.device)
+            shards[name] = reduce_rows_in_rank_order(total, world, rank)
+        released = together(lambda: self._noised_shards(shards), rank, world)
+        with record_function("dpmuon.ledger"):
+            stats.charged = self._record(step, shard_digest(released, rank))
+        if stats.charged:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
+        for name, p in self.params.items():
+            p.grad = as_shard_grad(released[name], p)
+        return stats
+
+    def _noised_shards(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`_noised` on this rank's rows: each parameter's noise drawn at its rows' flat offset, one
+        draw of the stream per noised parameter as in the whole release."""
+        block_of = self.partition.block_index()
+        released = {}
+        with record_function("dpmuon.noise"):
+            for name, p in self.params.items():
+                piece, std = shards.pop(name), self.block_stds[block_of[name]]
+                if std > 0:
+                    start, _ = rows_of(p, self.parallel.world_size, self.parallel.rank)
+                    row_size = p.numel() // p.shape[0] if p.shape[0] else 0
+                    piece = self.noise.grid_release_slice(piece, std, p.numel(), start * row_size)
+                released[name] = piece.div_(self.expected_lot_size).to(p.dtype)
+        _refuse_nonfinite(released)
+        return released
 
     def _clipped_total(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], ReleaseStats]:
         """The lot's clipped sum (float64) and statistics; the first micro-batch with rows is first
@@ -216,15 +261,15 @@ class Privatizer:
                 released[name] = total.div_(self.expected_lot_size).to(p.dtype)
         return released
 
-    def _record(self, step: int | None, released: Mapping[str, torch.Tensor]) -> bool:
-        """Write the release to the ledger (rank 0) and say whether it is charged, on every rank."""
+    def _record(self, step: int | None, digest: str | None) -> bool:
+        """Write the release's digest to the ledger (rank 0, which alone needs it) and say whether
+        it is charged, on every rank."""
         if self.ledger is None and self.parallel.world_size == 1:
             return True
         outcome = "charged"
         if self.parallel.is_main and self.ledger is not None:
             if step is None:
                 raise ValueError("a privatizer with a ledger needs the step of each release")
-            digest = release_digest(released)
             earlier = self.ledger.earlier_digests(step)
             if earlier and digest not in earlier and self.noise_may_repeat:
                 outcome = "mismatch"
@@ -242,6 +287,15 @@ class Privatizer:
     def close(self) -> None:
         self._engine.close()
         self.noise.close()
+
+
+def _refuse_nonfinite(released: Mapping[str, torch.Tensor]) -> None:
+    bad = [name for name, g in released.items() if not _all_finite(g)]
+    if bad:
+        raise NonFiniteReleaseError(
+            f"released gradient is not finite in {len(bad)} tensor(s) (first: {bad[0]}); refusing to "
+            "update the model — the clipped sum or the noise is broken, not the data"
+        )
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -86,6 +86,8 @@ class SecretStream:
         chunk's values (and its tail redraws, in order) depend on the values before them in it."""
         if not 0 <= start <= stop <= size:
             raise ValueError(f"slice [{start}, {stop}) of a draw of {size}")
+        if start == stop:  # a rank holding none of the rows: nothing to draw
+            return np.empty(0)
         first, last = start // CHUNK, -(-stop // CHUNK)
         sources = self.normal_sources_at(draw, last)
         drawn = [sources[c](min(CHUNK, size - c * CHUNK)) for c in range(first, last)]

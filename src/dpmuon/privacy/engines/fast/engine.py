@@ -188,26 +188,34 @@ class FastEngine(PerExampleEngine):
     # -- one forward and one backward -------------------------------------------------------
 
     @contextlib.contextmanager
-    def _recording(self) -> Iterator[dict[nn.Module, list[Call]]]:
+    def _recording(self) -> Iterator[tuple[dict[nn.Module, list[Call]], dict[str, torch.Tensor]]]:
         calls: dict[nn.Module, list[Call]] = defaultdict(list)
+        # The weights each module computed with, by parameter name: the parameters themselves,
+        # or under FSDP2 (fully_shard) the unsharded copies it gathers for the forward; the
+        # first micro-batch's check differentiates with respect to these.
+        used: dict[str, torch.Tensor] = {}
 
         def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            inputs, outputs = self.layers[module].record(args, kwargs, output)
+            layer = self.layers[module]
+            inputs, outputs = layer.record(args, kwargs, output)
             # The outputs' gradient edges, not the outputs: holding a tensor (e.g. the logits,
             # B × T × vocab) through the backward would keep memory autograd otherwise frees.
             calls[module].append(Call(inputs, [Output(get_gradient_edge(o), o.shape, o.dtype) for o in outputs]))
+            if not self.uses_checked:
+                for attribute, name in layer.names.items():
+                    used.setdefault(name, getattr(module, attribute))
 
         handles = [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
         try:
-            yield calls
+            yield calls, used
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _forward(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss) -> tuple[torch.Tensor, dict[nn.Module, list[Call]]]:
-        with self._recording() as calls, record_function("dpmuon.forward"):
+    def _forward(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss) -> tuple[torch.Tensor, dict[nn.Module, list[Call]], dict[str, torch.Tensor]]:
+        with self._recording() as (calls, used), record_function("dpmuon.forward"):
             losses = loss_fn(self.model, batch)
-        return losses, calls
+        return losses, calls, used
 
     def _backward(self, losses: torch.Tensor, calls: Mapping[nn.Module, list[Call]]) -> dict[nn.Module, Trace | PerExampleGradients]:
         size = losses.shape[0]
@@ -271,12 +279,12 @@ class FastEngine(PerExampleEngine):
         return squared
 
     def clipped_sum(self, batch, loss_fn):
-        losses, calls = self._forward(batch, loss_fn)
+        losses, calls, used = self._forward(batch, loss_fn)
         examples = example_rows(batch, losses.shape[0], losses.device)
         # Under autocast or with half-precision weights, the batch gradient is rounded coarsely.
         coarse = torch.is_autocast_enabled(losses.device.type) or any(p.dtype in (torch.float16, torch.bfloat16) for p in self.params.values())
         with full_precision(losses.device):
-            batch_grads = self._batch_gradients(losses) if not self.uses_checked and losses.requires_grad else None
+            batch_grads = self._batch_gradients(losses, used) if not self.uses_checked and losses.requires_grad else None
             traces = self._backward(losses, calls)
             if batch_grads is not None:
                 self._check_every_use_is_seen(traces, batch_grads, losses.shape[0], coarse=coarse)
@@ -286,10 +294,19 @@ class FastEngine(PerExampleEngine):
 
     uses_checked = False  # set once the rules' sums have matched autograd's batch gradient
 
-    def _batch_gradients(self, losses: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Autograd's (non-private) batch gradient, once, to check the rules against; never released."""
-        grads = torch.autograd.grad(losses.sum(), list(self.params.values()), retain_graph=True, allow_unused=True)
-        return {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(self.params.items(), grads)}
+    def _batch_gradients(self, losses: torch.Tensor, used: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Autograd's (non-private) batch gradient, once, to check the rules against; never released.
+
+        With respect to the weights the modules computed with (`used`): under FSDP2 the
+        parameters are row shards that the forward never touches, and their gradient would be
+        zero (a sharded DTensor), while the rules' sums are whole, plain tensors."""
+        names = list(self.params)
+        grads = torch.autograd.grad(losses.sum(), [used.get(name, self.params[name]) for name in names], retain_graph=True, allow_unused=True)
+        found = {}
+        for name, g in zip(names, grads):
+            p = self.params[name]
+            found[name] = torch.zeros(p.shape, dtype=p.dtype, device=losses.device) if g is None else g  # p.shape: the whole shape, sharded or not
+        return found
 
     def _check_every_use_is_seen(
         self, traces: Mapping[nn.Module, Trace | PerExampleGradients], batch_grads: Mapping[str, torch.Tensor], size: int, coarse: bool
