@@ -121,3 +121,11 @@ def test_a_calibrated_sigma_covers_the_release_too():
 def test_a_histogram_noise_that_spends_the_budget_alone_is_refused_by_its_key():
     with pytest.raises(UserError, match=r"privacy.length_noise_multiplier=0.2: .* spends ε=.* on its own"):
         mechanism(None, MechanismSettings(**{**SETTINGS.__dict__, "noise_multiplier": None, "length_noise_multiplier": 0.2}))
+
+
+def test_the_default_release_costs_a_few_thousandths_of_epsilon_at_the_papers_scale():
+    """σ = 20 (the default) before 1000 steps of E2E at lot 256 and σ = 0.5231 (PRV): the ε that
+    docs/privacy.md quotes for the release, +0.0032 — more than nothing, less than 0.005."""
+    steps = (0.5231, 256 / 42_057, 1000)
+    added = epsilon_after(*steps, 8e-6, "prv", prior=((20.0, 1.0, 1),)) - epsilon_after(*steps, 8e-6, "prv")
+    assert 0.002 < added < 0.005
