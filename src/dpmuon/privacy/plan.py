@@ -89,7 +89,7 @@ def make_plan(
         raise UserError(
             f"privacy.length_noise_multiplier={length_noise_multiplier:g}: the length histogram's release spends ε={alone:.4g} "
             f"on its own, leaving nothing of target ε={target_epsilon:g} for training; valid: a larger σ (the default 20 costs "
-            "≈ 0.004 at ε = 8), or privacy.width_buckets=1 (no release)"
+            "≈ 0.003 at ε = 8), or privacy.width_buckets=1 (no release)"
         )
     if noise_multiplier is None:
         sigma = calibrate_noise_multiplier(target_epsilon, delta, q, steps, accountant, slack, prior)

@@ -64,7 +64,7 @@ class PrivacySettings(Settings):
         "before step 1 (charged; 1: every row max_length wide, nothing released). The driver only: make_private and DPTrainer pad to one width",
         ge=1,
     )
-    length_noise_multiplier: float = option(20.0, "σ of the length histogram's one Gaussian release (sensitivity 1; ≈ +0.004 ε at ε = 8)", gt=0)
+    length_noise_multiplier: float = option(20.0, "σ of the length histogram's one Gaussian release (sensitivity 1; ≈ +0.003 ε at ε = 8)", gt=0)
     mechanism_seed_file: str | None = option(
         None, "owner-only file holding the secret seed of lots and noise (null: $DPMUON_MECHANISM_SEED, else fresh OS entropy)"
     )
