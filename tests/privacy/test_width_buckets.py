@@ -58,6 +58,16 @@ def test_a_noiseless_histogram_bounds_the_counts_to_one_example():
     assert slack.min() == 0 and slack.max() <= 1  # the rounding up of a margin of ~1e-11
 
 
+def test_the_bounds_hold_past_float_range():
+    """At ε = 1024 the failure allowed is ~e^-1050, where the normal quantile's probability
+    underflows: the bounds are still finite, and still bounds."""
+    lengths = e2e_like_lengths(500)
+    bounds = np.array(count_bounds(length_histogram(lengths, MAX_LENGTH), 20.0, len(lengths), -1100.0))
+    assert (bounds >= longer_than(lengths)).all() and bounds[0] == len(lengths)
+    buckets, p = bucketed_lot_bound(length_histogram(lengths, MAX_LENGTH), 20.0, len(lengths), 0.05, 100, 1024.0, 1e-5, 8)
+    assert sum(rows for _, rows in buckets) <= len(lengths) + 1 and 0 <= p < 1e-300
+
+
 def placeable(lengths, buckets) -> bool:
     """Whether the lot fits: for each width, no more examples longer than the next narrower one
     than rows at least this wide, and no more examples than rows."""

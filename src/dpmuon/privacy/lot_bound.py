@@ -120,7 +120,9 @@ def count_bounds(released: Sequence[float], noise_std: float, dataset_size: int,
     part of the failure. U(0) = N is exact (public), U(max_length) = 0, and U never grows with w
     (a bound for fewer lengths holds for more)."""
     top = len(released) - 1
-    z = float(norm.isf(math.exp(log_failure - math.log(max(top - 1, 1)))))
+    log_each = log_failure - math.log(max(top - 1, 1))
+    # Past float range (large ε leaves e^-1000 and less), Chernoff's P(Z > z) ≤ e^{-z²/2}: an over-estimate of z is safe.
+    z = float(norm.isf(math.exp(log_each))) if log_each > -700 else math.sqrt(-2 * log_each)
     above = np.cumsum(np.asarray(released, dtype=np.float64)[::-1])[::-1]  # above[w] = Σ_{l ≥ w}
     bounds = [dataset_size]
     for w in range(1, top):
