@@ -15,10 +15,13 @@
 #                   of 32 (non-private and the fast engine; DP-Adam and DP-MuonBC, each with
 #                   constant-time lots, lots as drawn, and no noise: what each part costs, the
 #                   noise drawn ahead on the host) and --phases (the release's noise per step)
+#   6. fsdp         where the machine has two GPUs: the same 10 private DP-Muon steps on both,
+#                   under torchrun with trainer.strategy=ddp and =fsdp (NCCL); fsdp.json says
+#                   whether they reached the same weights, and each one's median step time
 #
 # Everything lands in OUT_DIR: environment.json, status.tsv (stage, exit code, seconds),
 # gpu_check.log, pytest_gpu.{log,xml}, smoke/ (the runs), smoke.{md,json}, tables/e2e/…,
-# bench_mb{32,64}.{txt,json}. Each stage runs under a time limit; a failed or timed-out stage
+# bench_mb{32,64}.{txt,json}, fsdp/ (the two runs), fsdp.json. Each stage runs under a time limit; a failed or timed-out stage
 # is recorded and the next one still runs; the exit code is 1 if any stage failed.
 #
 # --cpu is the dry run: the same stages on the CPU at toy size (tiny model, lot 16, 3 steps),
@@ -69,8 +72,10 @@ if ((CPU)); then
         data.max_valid_examples=16 data.max_test_sources=4 eval.num_beams=2 eval.max_new_tokens=16 trainer.num_threads=1)
     BENCH=(--model tiny --device cpu --lot 16 --seq-len 32 --repeats 1 --threads 1 --memory-jobs 1 --optimizers dp_muonbc)
     MICRO_BATCHES=(4 8)
+    FSDP=(privacy.expected_lot_size=16 trainer.steps=3 trainer.micro_batch_size=8 data.max_train_examples=2000
+        data.max_valid_examples=16 data.max_test_sources=2 eval.num_beams=1 eval.max_new_tokens=4 trainer.num_threads=1)
     # Generous: a CPU shared with other work can be several times slower than a quiet one.
-    BUDGET_TESTS=300 BUDGET_SMOKE=600 BUDGET_BENCH=600
+    BUDGET_TESTS=300 BUDGET_SMOKE=600 BUDGET_BENCH=600 BUDGET_FSDP=600
 else
     DEVICE=cuda
     TEST_DEVICE=cuda
@@ -80,10 +85,12 @@ else
     # DP-Muon's cost lies between DP-Adam's and DP-MuonBC's: two optimizers bound all three.
     BENCH=(--model gpt2-small --device cuda --lot 256 --seq-len 64 --repeats 2 --memory-jobs 2 --optimizers dp_adam dp_muonbc)
     MICRO_BATCHES=(32)
+    FSDP=(privacy.expected_lot_size=256 trainer.steps=10 trainer.micro_batch_size=32 data.max_valid_examples=64
+        data.max_test_sources=8 eval.num_beams=1 eval.max_new_tokens=16)
     # Stage budgets (seconds), from the first run on an H200 (results/gpu/h200_2026-12-04): tests
     # 25 s, a smoke run 70–90 s (4 of them), the bench about 45 s a repeat at micro-batch 32. With
     # installing (26 s) the check stays under 9 minutes 30.
-    BUDGET_TESTS=60 BUDGET_SMOKE=360 BUDGET_BENCH=150
+    BUDGET_TESTS=60 BUDGET_SMOKE=360 BUDGET_BENCH=150 BUDGET_FSDP=240
 fi
 
 LOG="$OUT/gpu_check.log"
@@ -219,9 +226,46 @@ bench() {
     return "$rc"
 }
 
+# fsdp: the same private run under DDP and under FSDP on two devices (the dry run: two gloo
+# processes), from one mechanism seed, so both draw the same lots and noise: with two ranks both
+# add the ranks' float64 sums as S0 + S1, so the weights must agree bit for bit.
+fsdp() {
+    local devices strategy seed_file
+    if ((CPU)); then devices=2; else devices="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" || return 1; fi
+    if ((devices < 2)); then
+        echo '{"skipped": "fewer than two GPUs"}' >"$OUT/fsdp.json"
+        echo "one GPU: no FSDP run"
+        return 0
+    fi
+    seed_file="$OUT/fsdp_mechanism_seed"
+    (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.randbits(128))' >"$seed_file") || return 1
+    for strategy in ddp fsdp; do
+        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 -m dpmuon.train experiment=e2e optimizer=dp_muon \
+            "${SMOKE_MODEL[@]}" "${FSDP[@]}" trainer.device="$DEVICE" trainer.strategy="$strategy" trainer.eval_every=0 \
+            trainer.checkpoint_every=0 privacy.mechanism_seed_file="$seed_file" logging.progress=false logger=none \
+            hydra.run.dir="$OUT/fsdp/$strategy" || return 1
+    done
+    "$PYTHON" - "$OUT" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+from dpmuon.eval.runs import find_runs
+out = Path(sys.argv[1])
+runs = {run.summary["strategy"]: run for run in find_runs([out / "fsdp"])}
+report = {"same_final_weights": len({run.summary["final_weights_sha256"] for run in runs.values()}) == 1}
+for strategy, run in sorted(runs.items()):
+    seconds = [m["step_seconds"] for m in run.load_metrics(diagnostics=True) if m.get("step_seconds") is not None]
+    report[strategy] = {"epsilon": run.summary["epsilon"], "test_nll": run.summary["test_nll"],
+                        "median_step_seconds": statistics.median(seconds) if seconds else None}
+(out / "fsdp.json").write_text(json.dumps(report, indent=2))
+print(json.dumps(report))
+if sorted(runs) != ["ddp", "fsdp"] or not report["same_final_weights"]:
+    sys.exit("the FSDP run did not reach the DDP run's weights")
+EOF
+}
+
 if [[ -n $RUN_STAGE ]]; then
     case "$RUN_STAGE" in
-        environment | gpu_tests | smoke | bench) "$RUN_STAGE"; exit ;;
+        environment | gpu_tests | smoke | bench | fsdp) "$RUN_STAGE"; exit ;;
         *) echo "unknown stage $RUN_STAGE" >&2; exit 2 ;;
     esac
 fi
@@ -248,5 +292,6 @@ fi
 stage gpu_tests "$BUDGET_TESTS"
 stage smoke "$BUDGET_SMOKE"
 stage bench "$BUDGET_BENCH"
+stage fsdp "$BUDGET_FSDP"
 log "done in ${SECONDS}s; stages: $(tail -n +2 "$STATUS" | awk '{printf "%s=%s ", $1, $2}')"
 exit "$FAILED"

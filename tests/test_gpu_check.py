@@ -47,7 +47,7 @@ def test_cpu_dry_run_runs_every_stage_and_writes_every_result(tmp_path):
     assert done.returncode == 0, log[-4000:]
 
     status = {row["stage"]: row for row in csv.DictReader(open(out / "status.tsv"), delimiter="\t")}
-    assert list(status) == ["environment", "install", "gpu_tests", "smoke", "bench"]
+    assert list(status) == ["environment", "install", "gpu_tests", "smoke", "bench", "fsdp"]
     assert all(row["exit_code"] == "0" for row in status.values()), status
 
     environment = json.loads((out / "environment.json").read_text())
@@ -70,3 +70,6 @@ def test_cpu_dry_run_runs_every_stage_and_writes_every_result(tmp_path):
         assert {f"fast/per_matrix/dp_muonbc/{variant}" for variant in ("default", "as-drawn", "no-noise")} <= labels
         assert set(bench["phases"]) == {label for label in labels if not label.startswith("non-private")}
         assert all(row["examples_per_s"] > 0 and row["peak_mib"] > 0 for row in bench["rows"])
+
+    fsdp = json.loads((out / "fsdp.json").read_text())  # two gloo processes stand in for two GPUs
+    assert fsdp["same_final_weights"] and fsdp["ddp"]["epsilon"] == fsdp["fsdp"]["epsilon"] > 0

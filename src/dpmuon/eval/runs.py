@@ -95,6 +95,7 @@ class RunSummary:
     sampling: str
     engine: str | None
     world_size: int
+    strategy: str = "ddp"  # trainer.strategy under torchrun: ddp (whole model on every rank) or fsdp (row shards)
     tied_lm_head: bool
     initial_weights_sha256: str
     final_weights_sha256: str

@@ -32,6 +32,7 @@ from .. import run_folder
 from ..durable import WriteFailed, atomic_write, load_verified
 from ..errors import UserError
 from ..privacy.state import ledger_record, save_mechanism_state, secret_state
+from .fsdp import as_shards, whole
 from .run_identity import config_identity
 from .run_parts import Training
 
@@ -75,6 +76,9 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
 
 
 def checkpoint(t: Training, step: int) -> None:
+    weights, optimizer = checkpoint_weights(t), t.optimizer.state_dict()
+    if t.sharded:  # every rank gathers its rows, rank 0 keeps the whole tensors (training/fsdp.py)
+        weights, optimizer = whole(weights, keep=t.parallel.is_main), whole(optimizer, keep=t.parallel.is_main)
     if not t.parallel.is_main:
         return
     if t.private:  # the secret half first: a checkpoint never exists without its mechanism state
@@ -83,9 +87,9 @@ def checkpoint(t: Training, step: int) -> None:
         t.checkpoint_path,
         {
             "step": step,
-            "model": checkpoint_weights(t),
+            "model": weights,
             **({"frozen_weights_sha256": t.frozen_weights} if t.frozen_weights else {}),
-            "optimizer": t.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": t.scheduler.state_dict(),
             "rng": rng_snapshot(t.generators),
             "plan": t.plan.as_dict(),
@@ -116,8 +120,9 @@ def checkpoint_weights(t: Training) -> dict[str, torch.Tensor]:
 
 def restore_weights(t: Training, state: dict[str, Any]) -> None:
     saved_base = state.get("frozen_weights_sha256")
+    weights = as_shards(state["model"], t.model.state_dict()) if t.sharded else state["model"]
     if saved_base is None:  # every weight saved (full fine-tuning, or a LoRA checkpoint written before)
-        t.model.load_state_dict(state["model"])
+        t.model.load_state_dict(weights)
         return
     if saved_base != t.frozen_weights:
         raise UserError(
@@ -127,7 +132,7 @@ def restore_weights(t: Training, state: dict[str, Any]) -> None:
         )
     if set(state["model"]) != set(t.named):
         raise UserError(f"cannot resume {t.run_dir}: {CHECKPOINT_FILE} holds other trained weights than this model's adapters")
-    t.model.load_state_dict(state["model"], strict=False)
+    t.model.load_state_dict(weights, strict=False)
 
 
 def spent_without_checkpoint(t: Training) -> str:

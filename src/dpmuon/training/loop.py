@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from .. import run_folder
@@ -53,6 +54,7 @@ from .checkpoint import CHECKPOINT_FILE, checkpoint, failed_writes_stop, load_ch
 from .data import prepare_data
 from .diagnostics import build_oracle, diagnostic_fields, diagnostics_mode, restore_oracle
 from .evaluation import evaluate, validation_nll
+from .fsdp import check_can_shard, for_evaluation, shard_model, shard_optimizer_state
 from .loggers import NullLogger, build_logger, public_config
 from .run_files import MetricsLog, code_version, command_line, freeze_times
 from .run_identity import check_same_run, run_dir_claimed
@@ -83,6 +85,8 @@ def run_claimed(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         with failed_writes_stop(t):
             resume(t)
             stop_reason = train(t)
+            if t.sharded:  # rank 0 evaluates alone, on the whole weights (training/fsdp.py)
+                t.model = for_evaluation(t.model, t.rebuild_unsharded, t.parallel)
     finally:
         t.mechanism.close()
         t.parallel.leave()  # nothing after training is collective: rank 0 evaluates alone
@@ -105,8 +109,8 @@ def run_claimed(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 # ---- setup -------------------------------------------------------------------------------------
 
 
-def setup(cfg: DictConfig, run_dir: Path) -> Training:
-    """Process, data, plan, model, mechanism and optimizer, in the order errors should surface."""
+def setup_process(cfg: DictConfig, run_dir: Path) -> tuple[torch.device, DataParallel, Path]:
+    """Threads, the public seed, the device, the process group and the run folder every rank writes into."""
     if cfg.trainer.num_threads:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     torch.manual_seed(int(cfg.seed))
@@ -121,6 +125,12 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
         remove_left_temp_files(run_dir)  # a kill mid-write left generator states there
         if cfg.resume is None:  # before anything can fail: a resume must know (train.resolve_run)
             record_seed_use(run_dir, user_mechanism_secret(cfg) is not None)
+    return device, parallel, run_dir
+
+
+def setup(cfg: DictConfig, run_dir: Path) -> Training:
+    """Process, data, plan, model, mechanism and optimizer, in the order errors should surface."""
+    device, parallel, run_dir = setup_process(cfg, run_dir)
 
     # Data first: input errors surface before any model is built or downloaded.
     with blamed_on("model.tokenizer", cfg.model.tokenizer):
@@ -139,10 +149,16 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
         ) from err
     settings = privacy_settings(cfg)
     check_plan_inputs(settings, len(data.train))  # δ < 1/N and the other plan checks need only N: before the model
+    sharded = cfg.trainer.get("strategy", "ddp") == "fsdp"  # (absent from runs stored before it)
+    if sharded:
+        check_can_shard(parallel, settings.private, settings.constant_time)
     with blamed_on("model.name_or_path", cfg.model.name_or_path):
         model = model_settings.build(tokenizer, seed=int(cfg.seed)).to(device)
     initial_weights = weights_fingerprint(model)
+    frozen_weights = weights_fingerprint(model, frozen_only=True) if is_lora(model) else None
     matrices = hidden_matrices(model)
+    if sharded:  # before the mechanism and the optimizer see the parameters: fully_shard replaces them
+        model = shard_model(model, parallel, device)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     width, one_shape = row_shape(cfg, max_length, device)
     mechanism = run_mechanism(cfg, settings, run_dir, model, data.train, width, one_shape, matrices, parallel)
@@ -171,7 +187,8 @@ def setup(cfg: DictConfig, run_dir: Path) -> Training:
         data=data,
         model=model,
         initial_weights=initial_weights,
-        frozen_weights=weights_fingerprint(model, frozen_only=True) if is_lora(model) else None,
+        frozen_weights=frozen_weights,
+        rebuild_unsharded=(lambda: model_settings.build(tokenizer, seed=int(cfg.seed)).to(device)) if sharded else None,
         mechanism=mechanism,
         generators=generators,
         named=named,
@@ -258,6 +275,8 @@ def resume(t: Training) -> None:
         verify_ledger(t.mechanism.ledger, state, CHECKPOINT_FILE)
         restore_weights(t, state)
         t.optimizer.load_state_dict(state["optimizer"])
+        if t.sharded:  # the checkpoint holds whole tensors: each rank takes its rows
+            shard_optimizer_state(t.optimizer)
         t.scheduler.load_state_dict(state["scheduler"])
         rng_restore(state["rng"], t.generators)
         t.start_step, t.train_seconds, logger_id = state["step"], state.get("train_seconds", 0.0), state.get("logger_id")
@@ -297,7 +316,7 @@ def resume(t: Training) -> None:
 def train(t: Training) -> str | None:
     """Every remaining step; returns why training stopped early (the budget guard, a non-finite
     validation NLL) or None."""
-    if t.start_step == 0 and t.validate and t.parallel.is_main and not any(r.get("step") == 0 for r in t.metrics.rows()):
+    if t.start_step == 0 and t.validate and validates(t) and not initial_validation_logged(t):
         # Where the curves start: the public initial weights, before any release.
         t.logger.log(_finite({"step": 0, "val_nll": validation_nll(t)}), publish=True)
     t.model.train()
@@ -339,6 +358,19 @@ def train(t: Training) -> str | None:
     return None
 
 
+def validates(t: Training) -> bool:
+    """Whether this rank computes the validation NLL: rank 0 (which logs it), and every rank when
+    the model is sharded, since each forward then gathers weights from all of them."""
+    return t.parallel.is_main or t.sharded
+
+
+def initial_validation_logged(t: Training) -> bool:
+    """Whether the metrics already hold step 0's row (rank 0 reads them, and tells a sharded run's
+    ranks, which validate together)."""
+    logged = any(r.get("step") == 0 for r in t.metrics.rows()) if t.parallel.is_main else None
+    return t.parallel.broadcast_object(logged) if t.sharded else bool(logged)
+
+
 def train_step(t: Training, step: int) -> dict[str, Any]:
     """Release one lot, step the optimizer, log the step's metrics row (returned)."""
     started = time.perf_counter()
@@ -349,7 +381,7 @@ def train_step(t: Training, step: int) -> dict[str, Any]:
     oracle_fields = t.oracle.step() if t.oracle else {}  # before the optimizer moves the weights
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
-    broken = [n for n, p in t.named.items() if not torch.isfinite(p).all()]
+    broken = non_finite_parameters(t)
     if broken:  # stop before a checkpoint could save the broken weights
         raise UserError(f"step {step}: parameters became non-finite ({broken[0]}, …); lower the learning rate")
     elapsed = time.perf_counter() - started
@@ -363,6 +395,16 @@ def train_step(t: Training, step: int) -> dict[str, Any]:
     evaluated = "val_nll" in row or step == t.plan.steps
     t.logger.log(_finite(row), publish=evaluated)
     return row
+
+
+def non_finite_parameters(t: Training) -> list[str]:
+    """The trained parameters holding a non-finite entry: on any rank's rows, when sharded."""
+    found = [n for n, p in t.named.items() if not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()]
+    if not t.sharded:
+        return found
+    flags = torch.tensor([float(n in found) for n in t.named])
+    t.parallel.all_reduce_sum([flags])  # every rank stops, or none
+    return [n for n, flag in zip(t.named, flags.tolist()) if flag]
 
 
 def release_step(t: Training, step: int):
@@ -408,7 +450,7 @@ def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: flo
         row[f"{key}_median"] = statistics.median(values.values())
     diagnostics = {**diagnostic_fields(stats, t.mechanism.partition, t.private), **oracle_fields, "step_seconds": elapsed} if t.diagnostics else {}
     eval_every = int(t.cfg.trainer.eval_every) if t.validate else 0
-    if t.parallel.is_main and (bool(eval_every and step % eval_every == 0) or (t.validate and step == t.plan.steps)):
+    if validates(t) and (bool(eval_every and step % eval_every == 0) or (t.validate and step == t.plan.steps)):
         row["val_nll"] = validation_nll(t)
     return row, diagnostics
 

@@ -48,6 +48,9 @@ class Training:
     diagnostic_rows: MetricsLog | None = None  # diagnostics.jsonl (owner-only): logging.nonprivate_diagnostics=file
     padded_rows: int | None = None  # constant-time lots: the rows this rank processes every step
     widths: tuple[tuple[int, int], ...] | None = None  # ...in these (width, rows), when bucketed by width
+    # trainer.strategy=fsdp: the model is in FSDP2 row shards, and this builds it unsharded (for
+    # rank 0's evaluation after training: training/fsdp.py)
+    rebuild_unsharded: Callable[[], torch.nn.Module] | None = None
     logger: Any = None
     start_step: int = 0
     last_step: int = 0
@@ -71,6 +74,10 @@ class Training:
         """Whether they go where the releases go (metrics.jsonl, W&B, console). A non-private run
         has no guarantee to keep: its model is as revealing as its diagnostics."""
         return diagnostics_mode(self.cfg) == "publish" or (self.diagnostics and not self.private)
+
+    @property
+    def sharded(self) -> bool:
+        return self.rebuild_unsharded is not None
 
     @property
     def validate(self) -> bool:

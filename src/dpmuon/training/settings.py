@@ -16,6 +16,7 @@ FIXED_BATCH_SHAPES = ("auto", True, False)
 DIAGNOSTICS = (False, "file", "publish", True)
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("online", "offline", "disabled")
+STRATEGIES = ("ddp", "fsdp")
 
 
 @settings("recipe", target=False)
@@ -42,6 +43,12 @@ class TrainerSettings(Settings):
         "private runs: pad every micro-batch to one width and row count, so that under bf16 each example's clipped contribution does "
         "not depend on the rest of the lot (auto: on under bf16)",
         choices=FIXED_BATCH_SHAPES,
+    )
+    strategy: str = option(
+        "ddp",
+        "under torchrun: ddp (every rank holds the whole model) | fsdp (FSDP2 row shards of weights, released gradients and "
+        "optimizer state, for a model that outgrows one device; private runs with constant-time lots; docs/runs.md)",
+        choices=STRATEGIES,
     )
     eval_every: int = option(50, "validation NLL every N steps (0: only at the end)", ge=0)
     checkpoint_every: int = option(50, "atomic checkpoint every N steps (0: only at the end)", ge=0)

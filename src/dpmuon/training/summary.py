@@ -54,6 +54,7 @@ def run_summary(t: Training, stop_reason: str | None, test_nll: float | None, sc
         accountant=plan.accountant,
         **mechanism_fields(cfg, plan.private, t.mechanism.randomness),
         world_size=t.parallel.world_size,
+        strategy=t.cfg.trainer.get("strategy", "ddp"),
         tied_lm_head=lm_head_is_tied(t.model),
         initial_weights_sha256=t.initial_weights,
         final_weights_sha256=weights_fingerprint(t.model),
