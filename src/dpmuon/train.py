@@ -160,6 +160,9 @@ def main(cfg: DictConfig) -> float | None:
             also_log_to(run_dir)
         validate(cfg)  # a bad value fails in a second, before torch is even imported
         from .training.loop import run  # heavy imports after the config is known to be usable
+        from .training.runtime import ranks_from_slurm_tasks
+
+        ranks_from_slurm_tasks()
 
         summary = run(cfg, run_dir)
     except Interrupted as stop:

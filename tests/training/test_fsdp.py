@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -102,6 +103,27 @@ def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_end(runs, tmp_path):
         assert ours[key] == theirs[key], key
     a, b = final_weights(run_dir), final_weights(reference)
     assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_two_slurm_tasks_train_as_two_ranks(runs, tmp_path):
+    """hydra/launcher=slurm with tasks_per_node=2: each task (here, as SLURM and submitit start it
+    on one node) is a rank, and together they train the torchrun run."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0",
+             "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)}  # fmt: skip
+    # A task runs the Hydra job itself (submitit calls it), not the command line that submitted it.
+    cmd = [sys.executable, "-c", "from dpmuon.train import main; main()", *TINY, "trainer.strategy=fsdp", f"hydra.run.dir={tmp_path / 'slurm'}"]
+    logs = [tmp_path / f"task{rank}.log" for rank in range(2)]  # files: a full pipe would stall its rank, and the other with it
+    tasks = [
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**ENV, **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)})
+        for rank, log in enumerate(logs)
+    ]
+    for task, log in zip(tasks, logs):
+        assert task.wait(timeout=600) == 0, log.read_text()[-3000:]
+    summary = json.loads((tmp_path / "slurm" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["final_weights_sha256"] == json.loads((runs / "fsdp" / "summary.json").read_text())["final_weights_sha256"]
 
 
 def test_runs_fsdp_would_hang_or_cannot_shard_are_refused():
