@@ -21,8 +21,9 @@
 #
 # Everything lands in OUT_DIR: environment.json, status.tsv (stage, exit code, seconds),
 # gpu_check.log, pytest_gpu.{log,xml}, smoke/ (the runs), smoke.{md,json}, tables/e2e/…,
-# bench_mb{32,64}.{txt,json}, fsdp/ (the two runs), fsdp.json. Each stage runs under a time limit; a failed or timed-out stage
-# is recorded and the next one still runs; the exit code is 1 if any stage failed.
+# bench_mb{32,64}.{txt,json}, fsdp/ (the two runs), fsdp.json. Each stage runs under a time
+# limit; a failed or timed-out stage is recorded and the next one still runs; the exit code is 1
+# if any stage failed.
 #
 # --cpu is the dry run: the same stages on the CPU at toy size (tiny model, lot 16, 3 steps),
 # so that the script itself is tested without a GPU (tests/test_gpu_check.py).
@@ -230,21 +231,25 @@ bench() {
 # processes), from one mechanism seed, so both draw the same lots and noise: with two ranks both
 # add the ranks' float64 sums as S0 + S1, so the weights must agree bit for bit.
 fsdp() {
-    local devices strategy seed_file
+    local devices strategy seed_dir rc=0
     if ((CPU)); then devices=2; else devices="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" || return 1; fi
     if ((devices < 2)); then
         echo '{"skipped": "fewer than two GPUs"}' >"$OUT/fsdp.json"
         echo "one GPU: no FSDP run"
         return 0
     fi
-    seed_file="$OUT/fsdp_mechanism_seed"
-    (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.randbits(128))' >"$seed_file") || return 1
+    # The shared seed stays out of OUT (whose files are kept) and is removed when the runs end.
+    seed_dir="$(mktemp -d)" || return 1
+    (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.randbits(128))' >"$seed_dir/mechanism_seed") || rc=1
     for strategy in ddp fsdp; do
-        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 -m dpmuon.train experiment=e2e optimizer=dp_muon \
-            "${SMOKE_MODEL[@]}" "${FSDP[@]}" trainer.device="$DEVICE" trainer.strategy="$strategy" trainer.eval_every=0 \
-            trainer.checkpoint_every=0 privacy.mechanism_seed_file="$seed_file" logging.progress=false logger=none \
-            hydra.run.dir="$OUT/fsdp/$strategy" || return 1
+        ((rc)) || "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 -m dpmuon.train experiment=e2e \
+            optimizer=dp_muon "${SMOKE_MODEL[@]}" "${FSDP[@]}" trainer.device="$DEVICE" trainer.strategy="$strategy" \
+            trainer.eval_every=0 trainer.checkpoint_every=0 trainer.keep_checkpoint=false \
+            privacy.mechanism_seed_file="$seed_dir/mechanism_seed" logging.progress=false logger=none \
+            hydra.run.dir="$OUT/fsdp/$strategy" || rc=1
     done
+    rm -rf "$seed_dir"
+    ((rc == 0)) || return 1
     "$PYTHON" - "$OUT" <<'EOF'
 import json, statistics, sys
 from pathlib import Path

@@ -19,18 +19,17 @@ from ..outcomes import RUN_LOG, Interrupted
 from ..privacy.distributed import DataParallel
 
 
-def ranks_from_slurm_tasks() -> bool:
+def ranks_from_slurm_tasks() -> None:
     """Under hydra/launcher=slurm with tasks_per_node=N (one node), each of a job's N tasks is one
     rank, as torchrun's processes are: submitit exports torch's variables (RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from SLURM's. Called before anything reads RANK; False
-    where torchrun set them already, or the job has one task."""
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from SLURM's. Called before anything reads RANK; nothing
+    changes where torchrun set them already, or the job has one task."""
     if "WORLD_SIZE" in os.environ or os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
-        return False
+        return
     from submitit.helpers import TorchDistributedEnvironment
 
     # Each rank takes GPU LOCAL_RANK (resolve_device); a MASTER_PORT the job set is the one it reads, and written back.
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    return True
 
 
 def log(message: str) -> None:
