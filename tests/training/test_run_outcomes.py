@@ -6,6 +6,8 @@ train.log holds the driver's [dpmuon] lines."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +68,20 @@ def test_a_diverged_run_ends_non_zero_with_one_clear_line_and_strict_json(tmp_pa
         for line in (tmp_path / name).read_text().splitlines():
             strict_loads(line)
     assert "error: non-finite: the validation NLL is nan" in (tmp_path / "train.log").read_text()  # a failed run's log says why
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_diverging_under_torchrun_stops_every_rank_at_that_step(tmp_path, strategy):
+    """Under DDP rank 0 alone validates: the other rank must stop with it, not go on to a release
+    whose collectives rank 0 no longer joins."""
+    require_real_data()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dpmuon.train", *TINY]
+    command += ["optimizer.lr=1e30", f"trainer.strategy={strategy}", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "error: non-finite: the validation NLL is nan at step 2" in done.stderr
+    assert not re.search(r"rank\s*:\s*1\b", done.stderr), done.stderr[-3000:]  # torchrun names rank 0 alone as failed
+    summary = strict_loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["stop_reason"].startswith("non-finite") and summary["world_size"] == 2
 
 
 RERUN = "it stopped before it trained: run the same command again"

@@ -339,9 +339,8 @@ def train(t: Training) -> str | None:
                 checkpoint(t, t.last_step)
                 return reason
             row = train_step(t, step)
-            if row.get("val_nll") is not None and not math.isfinite(row["val_nll"]):
-                # Validation NLL is published in the row: stopping on it reveals nothing more.
-                reason = f"{NON_FINITE}: the validation NLL is {row['val_nll']} at step {step} (the model diverged; lower the learning rate)"
+            reason = diverged(t, step, row)  # (the validation NLL is published in the row: stopping on it reveals nothing more)
+            if reason:
                 log(f"{reason}; stopping")
                 return reason
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("train_loss", "val_nll", "epsilon") if row.get(k) is not None})
@@ -362,6 +361,24 @@ def validates(t: Training) -> bool:
     """Whether this rank computes the validation NLL: rank 0 (which logs it), and every rank when
     the model is sharded, since each forward then gathers weights from all of them."""
     return t.parallel.is_main or t.sharded
+
+
+def validation_step(t: Training, step: int) -> bool:
+    """Whether the validation NLL is computed after `step` (a public schedule)."""
+    eval_every = int(t.cfg.trainer.eval_every) if t.validate else 0
+    return bool(eval_every and step % eval_every == 0) or (t.validate and step == t.plan.steps)
+
+
+def diverged(t: Training, step: int, row: dict[str, Any]) -> str | None:
+    """Why training stops after `step`: a non-finite validation NLL. Every rank stops with rank 0:
+    under DDP rank 0 alone validates, and tells the others on the validation steps."""
+    value = row.get("val_nll")
+    reason = None
+    if value is not None and not math.isfinite(value):
+        reason = f"{NON_FINITE}: the validation NLL is {value} at step {step} (the model diverged; lower the learning rate)"
+    if t.parallel.world_size > 1 and not t.sharded and validation_step(t, step):
+        reason = t.parallel.broadcast_object(reason)
+    return reason
 
 
 def initial_validation_logged(t: Training) -> bool:
@@ -449,8 +466,7 @@ def metrics_row(t: Training, step: int, stats, oracle_fields: dict, elapsed: flo
             row[key] = {names[p]: v for p, v in values.items()}
         row[f"{key}_median"] = statistics.median(values.values())
     diagnostics = {**diagnostic_fields(stats, t.mechanism.partition, t.private), **oracle_fields, "step_seconds": elapsed} if t.diagnostics else {}
-    eval_every = int(t.cfg.trainer.eval_every) if t.validate else 0
-    if validates(t) and (bool(eval_every and step % eval_every == 0) or (t.validate and step == t.plan.steps)):
+    if validates(t) and validation_step(t, step):
         row["val_nll"] = validation_nll(t)
     return row, diagnostics
 
