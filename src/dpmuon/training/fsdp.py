@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import UserError
 from ..privacy.distributed import DataParallel
-from ..row_shards import row_range
+from ..privacy.sharded import as_shard_grad, rows_of
 
 
 def check_can_shard(parallel: DataParallel, private: bool, constant_time: bool) -> None:
@@ -91,10 +91,8 @@ def rows_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return value
     if tuple(value.shape) != tuple(like.shape):
         raise UserError(f"cannot resume: a saved tensor of shape {tuple(value.shape)} where the sharded model has {tuple(like.shape)}")
-    mesh = like.device_mesh
-    start, stop = row_range(like.shape[0], mesh.size(), mesh.get_local_rank())
-    local = value[start:stop].to(device=like.to_local().device).clone()
-    return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    start, stop = rows_of(like, like.device_mesh.size(), like.device_mesh.get_local_rank())
+    return as_shard_grad(value[start:stop].to(device=like.to_local().device).clone(), like)
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
