@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from conftest import VOCAB, tiny_gpt2
+import torch.nn.functional as F
+from conftest import VOCAB, tiny_gpt2, token_batch
 from helpers_tokenizers import StubTokenizer
 
-from dpmuon.models import build_model, context_length, hidden_matrices, lm_head_is_tied, untie_lm_head, weights_fingerprint
+from dpmuon.models import IGNORE_INDEX, build_model, context_length, hidden_matrices, lm_head_is_tied, per_example_lm_loss, untie_lm_head, weights_fingerprint
 
 
 def test_local_directory_loads_like_a_hub_id_and_grows_for_the_pad_token(tmp_path):
@@ -54,3 +56,26 @@ def test_the_architecture_option_offers_exactly_the_registered_families():
     from dpmuon.models.settings import ARCHITECTURE_NAMES
 
     assert ARCHITECTURE_NAMES == tuple(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_per_example_loss_shifts_the_labels_and_gives_the_sliced_logits_gradient_bit_for_bit(left_pad):
+    """The loss predicts each label from the position before it: the same losses and the same
+    gradient, bit for bit, as the textbook form that slices off the last position's logits (which
+    copies a [B, T, vocab] tensor forward and zero-fills another backward)."""
+    batch = token_batch(4, seed=3, left_pad=left_pad)
+    logits = torch.randn(4, batch["input_ids"].shape[1], VOCAB, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    class Fixed(torch.nn.Module):  # a model whose logits are given
+        def forward(self, **kwargs):
+            return type("Output", (), {"logits": logits})()
+
+    losses = per_example_lm_loss(Fixed(), batch)
+    (grad,) = torch.autograd.grad(losses.sum(), logits)
+    labels = batch["labels"][:, 1:]
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+    expected = nll.sum(1) / (labels != IGNORE_INDEX).sum(1).clamp_min(1)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
+    assert torch.equal(losses, expected)
+    assert torch.equal(grad, expected_grad)
+    assert not grad[:, -1].any()  # the last position predicts nothing

@@ -21,6 +21,7 @@ _EXPORTS = {
     "weights_fingerprint": "build",
     "IGNORE_INDEX": "lm",
     "hidden_matrices": "lm",
+    "next_token_labels": "lm",
     "per_example_lm_loss": "lm",
     "position_ids_for": "lm",
     "LoraOptions": "lora",

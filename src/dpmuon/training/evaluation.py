@@ -15,7 +15,7 @@ from ..data import EncodedExample, collate, collate_prompts, encode_prompt
 from ..data.encoding import IGNORE_INDEX
 from ..durable import atomic_write
 from ..eval.metrics import SCORE_KEYS, score
-from ..models import position_ids_for
+from ..models import next_token_labels, position_ids_for
 from .run_parts import Training
 from .runtime import log
 
@@ -45,8 +45,8 @@ def token_nll(
                 attention_mask=batch["attention_mask"],
                 position_ids=position_ids_for(batch["attention_mask"]),
             ).logits
-        labels = batch["labels"][:, 1:]
-        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        labels = next_token_labels(batch["labels"])
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         total += float(nll)
         count += int((labels != IGNORE_INDEX).sum())
     model.train(was_training)
