@@ -61,14 +61,14 @@ def test_nonfinite_release_aborts_before_touching_gradients(monkeypatch):
     model = tiny_gpt2()
     partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.5)
     pz = Privatizer(model, partition, noise_multiplier=1.0, expected_lot_size=5, sample_rate=0.1, accountant=PrivacyAccountant(1e-5))
-    honest = pz._engine.clipped_sum
+    honest = pz._engine.add_clipped_sum
 
-    def overflowing(batch, loss_fn):
-        summed, losses, stats = honest(batch, loss_fn)
-        summed["transformer.ln_f.bias"] = summed["transformer.ln_f.bias"] + float("inf")
-        return summed, losses, stats
+    def overflowing(batch, loss_fn, total):
+        losses, stats = honest(batch, loss_fn, total)
+        total["transformer.ln_f.bias"] += float("inf")
+        return losses, stats
 
-    monkeypatch.setattr(pz._engine, "clipped_sum", overflowing)
+    monkeypatch.setattr(pz._engine, "add_clipped_sum", overflowing)
     with pytest.raises(NonFiniteReleaseError, match="transformer.ln_f.bias"):
         pz.release([token_batch(5)], per_example_lm_loss)
     assert all(p.grad is None for p in model.parameters())

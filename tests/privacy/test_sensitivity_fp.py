@@ -218,7 +218,7 @@ def test_neighbouring_lots_differ_by_at_most_the_sensitivity_under_bf16(engine):
 def test_lot_total_is_float64_for_every_lot():
     """A lot of 1024 in micro-batches of 8: the total is the exact sum to float64 rounding, and it
     is float64 from the first micro-batch on, so no lot's size changes how (or how long) it adds."""
-    from dpmuon.privacy.privatizer import add_to_lot_total
+    from dpmuon.privacy.engines.base import add_to_lot_total
 
     g = torch.Generator().manual_seed(0)
     parts = [{"w": torch.randn(5, 3, generator=g)} for _ in range(128)]

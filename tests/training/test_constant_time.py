@@ -27,7 +27,7 @@ from dpmuon.training.run_files import FROZEN_TIME, MetricsLog
 
 # Quantities of the raw lot: none may appear in any file but diagnostics.jsonl.
 LOT_KEYS = ("lot_size", "train_loss", "step_seconds", "train_seconds", "clip_fraction", "mean_grad_norm", "nonfinite_examples")
-CLIPPED_SUM = ENGINES["fast"].clipped_sum  # the engine's own, whichever run spies on it
+ADD_CLIPPED_SUM = ENGINES["fast"].add_clipped_sum  # the engine's own (what the privatizer calls), whichever run spies on it
 
 
 class PatternLots:
@@ -53,11 +53,11 @@ def run_with_lots(tmp_path, monkeypatch, capsys, name: str, sizes: list[int]):
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots(sizes, max_lot_size))
 
-    def spy(self, batch, loss_fn):
+    def spy(self, batch, loss_fn, total):
         batches.append({k: tuple(v.shape) for k, v in batch.items()} | {"examples": int(batch[EXAMPLE_MASK].sum())})
-        return CLIPPED_SUM(self, batch, loss_fn)
+        return ADD_CLIPPED_SUM(self, batch, loss_fn, total)
 
-    monkeypatch.setattr(ENGINES["fast"], "clipped_sum", spy)
+    monkeypatch.setattr(ENGINES["fast"], "add_clipped_sum", spy)
     run_dir = tmp_path / name
     summary = run(compose_config(*TINY, "logger=wandb", "logging.progress=true"), run_dir)
     files = {  # before anything reads a file (a read may update its access time; listing a folder does)
@@ -157,11 +157,11 @@ def test_lots_of_the_longest_and_of_the_shortest_examples_run_the_same_width_buc
         batches = []
         monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, lot=lot, **k: LengthLots(lot))
 
-        def spy(self, batch, loss_fn, batches=batches):
+        def spy(self, batch, loss_fn, total, batches=batches):
             batches.append(({k: tuple(v.shape) for k, v in batch.items()}, int(batch[EXAMPLE_MASK].sum())))
-            return CLIPPED_SUM(self, batch, loss_fn)
+            return ADD_CLIPPED_SUM(self, batch, loss_fn, total)
 
-        monkeypatch.setattr(ENGINES["fast"], "clipped_sum", spy)
+        monkeypatch.setattr(ENGINES["fast"], "add_clipped_sum", spy)
         summary = run(compose_config(*overrides), tmp_path / name)
         lines = [line.replace(str(tmp_path / name), "RUN") for line in capsys.readouterr().err.splitlines() if line.startswith("[dpmuon]")]
         console = [re.sub(r"\d+(\.\d+)?(e-?\d+)?", "#", line) for line in lines]

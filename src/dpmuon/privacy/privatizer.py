@@ -44,20 +44,6 @@ class ReplayMismatchError(RuntimeError):
     """
 
 
-def add_to_lot_total(summed: dict[str, torch.Tensor], part: Mapping[str, torch.Tensor]) -> None:
-    """Add one micro-batch's clipped sums (fp32) into the lot's float64 totals.
-
-    Always float64, whatever the lot: an fp32 total would round by up to 2⁻²⁴ per addition times
-    the examples summed so far, and a switch to float64 once that grows would make the step's
-    time depend on the lot's size — a timing channel constant-time lots exist to close.
-    """
-    for name, tensor in part.items():
-        if name in summed:
-            summed[name] += tensor
-        else:
-            summed[name] = tensor.double()
-
-
 @dataclass
 class ReleaseStats:
     """What one step saw, computed from raw per-example values: non-private diagnostics."""
@@ -150,9 +136,11 @@ class Privatizer:
         if self.sharded:
             return self._release_shards(micro_batches, loss_fn, step)
         summed, stats = self._guarded_total(micro_batches, loss_fn)
-        for name, p in self.params.items():
-            if name not in summed:  # an empty lot
-                summed[name] = torch.zeros_like(p, dtype=torch.float64)
+        # In the parameters' order, a zero total where this rank's share of the lot is empty: the
+        # all-reduce below adds the ranks' totals as one flat buffer, position by position. (In the
+        # order the engine booked them, an empty share's zeros came in another order, and rank 1
+        # took rank 0's totals under the wrong parameters' names.)
+        summed = {name: summed[name] if name in summed else torch.zeros_like(p, dtype=torch.float64) for name, p in self.params.items()}
         noise_free = {n: (t / self.expected_lot_size).float() for n, t in summed.items()} if self.observe_noise_free else None
         if self.parallel.world_size > 1:  # the grid rounds the whole lot's sum: add the shards first
             self.parallel.all_reduce_sum(list(summed.values()))
@@ -235,9 +223,7 @@ class Privatizer:
             if not self.conformance_checked:
                 with record_function("dpmuon.conformance"):
                     self.conformance_checked = check_first_micro_batch(self.model, batch, loss_fn)
-            part, losses, clip = self._engine.clipped_sum(batch, loss_fn)
-            with record_function("dpmuon.lot_total"):
-                add_to_lot_total(summed, part)
+            losses, clip = self._engine.add_clipped_sum(batch, loss_fn, summed)
             finite = torch.isfinite(losses)
             stats.lot_size += clip.examples
             stats.loss_sum += float(losses[finite].sum())

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, fast_squared_norms, token_batch
+from conftest import VOCAB, fast_squared_norms, tiny_gpt2, token_batch
 from reference import assert_close_dicts, assert_close_norms, naive_reference, partition_for
 from test_coverage import tiny_model
 from torch import nn
 
 from dpmuon.models import per_example_lm_loss
 from dpmuon.privacy import build_engine, build_partition
+from dpmuon.privacy.engines.base import add_to_lot_total
 from dpmuon.privacy.engines.fast import LAYER_RULES, FastEngine
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -117,6 +118,48 @@ def test_shared_parameters_with_a_generic_holder_are_formed_once_over_all_their_
     # The tied Linear head joins its unknown embedding in the generic rule: one formed gradient.
     assert "head (Linear)" in engine.fallback_summary and "embed (ScaledLookup)" in engine.fallback_summary
     assert engine.tied == [] and any(len(group) == 2 for group in engine.generic_groups)
+
+
+class ShiftedGain(Gain):
+    """A generic module sharing its gain and holding a parameter of its own."""
+
+    def __init__(self, gain: nn.Parameter):
+        super().__init__(gain)
+        self.shift = nn.Parameter(0.1 * torch.randn(8))
+
+    def forward(self, x):
+        return x * self.gain + self.shift
+
+
+class SharedOwnNet(SharedNet):
+    """SharedNet whose second gain also has its own parameter: merged into the first's trace, it
+    is booked with the group, not by the first module's names."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain_b = ShiftedGain(self.gain_a.gain)
+
+
+@pytest.mark.parametrize("model_name", ["tied-gpt2", "shared-generic", "shared-generic-own"])
+def test_adding_into_the_lot_total_module_by_module_adds_what_clipped_sum_returns(model_name):
+    """The privatizer's path books each parameter's fp32 sum into the float64 total as soon as its
+    last module is done (a tied weight after its embedding; a merged generic group's members at
+    once): the same totals, bit for bit, as adding each micro-batch's whole clipped_sum."""
+    if model_name == "tied-gpt2":
+        model, loss, batch = tiny_gpt2(tie=True), per_example_lm_loss, token_batch(6, seed=2)
+    else:
+        model = SharedNet() if model_name == "shared-generic" else SharedOwnNet()
+        loss, batch = loss_fn, {"input_ids": torch.randint(0, VOCAB, (6, 6), generator=torch.Generator().manual_seed(2))}
+    engine = FastEngine(model, everything(model))
+    halves = [{k: v[rows] for k, v in batch.items()} for rows in (slice(0, 3), slice(3, 6))]
+    expected: dict[str, torch.Tensor] = {}
+    for half in halves:
+        add_to_lot_total(expected, engine.clipped_sum(half, loss)[0])
+    total: dict[str, torch.Tensor] = {}
+    for half in halves:
+        engine.add_clipped_sum(half, loss, total)
+    assert total.keys() == expected.keys() == {n for n, p in model.named_parameters()}
+    assert all(total[name].dtype == torch.float64 and torch.equal(total[name], expected[name]) for name in expected)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ..blocks import BlockPartition
 from ..clipping import ClipStats
@@ -36,6 +37,20 @@ def example_rows(batch: Mapping[str, Any], size: int, device: torch.device) -> t
     if mask.dtype != torch.bool or tuple(mask.shape) != (size,):
         raise ValueError(f"{EXAMPLE_MASK} must be a bool tensor of shape ({size},), got {mask.dtype} {tuple(mask.shape)}")
     return mask.to(device)
+
+
+def add_to_lot_total(total: dict[str, torch.Tensor], part: Mapping[str, torch.Tensor]) -> None:
+    """Add clipped sums (fp32) into the lot's float64 totals, name by name.
+
+    Always float64, whatever the lot: an fp32 total would round by up to 2⁻²⁴ per addition times
+    the examples summed so far, and a switch to float64 once that grows would make the step's
+    time depend on the lot's size — a timing channel constant-time lots exist to close.
+    """
+    for name, tensor in part.items():
+        if name in total:
+            total[name] += tensor
+        else:
+            total[name] = tensor.double()
 
 
 def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
@@ -71,6 +86,15 @@ class PerExampleEngine(ABC):
         Losses and stats cover only the rows `example_rows` marks; the other rows contribute
         nothing. Must leave no per-example or non-private gradient behind on the parameters.
         """
+
+    def add_clipped_sum(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss, total: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ClipStats]:
+        """`clipped_sum`, its sums added into the lot's float64 totals (`add_to_lot_total`); returns
+        (losses, stats). An engine may add each parameter's sum as soon as it is complete, so that
+        the micro-batch's fp32 sums never exist all at once."""
+        summed, losses, stats = self.clipped_sum(batch, loss_fn)
+        with record_function("dpmuon.lot_total"):
+            add_to_lot_total(total, summed)
+        return losses, stats
 
     def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Remove hooks and buffers from the model."""
