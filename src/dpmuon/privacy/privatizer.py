@@ -136,10 +136,9 @@ class Privatizer:
         if self.sharded:
             return self._release_shards(micro_batches, loss_fn, step)
         summed, stats = self._guarded_total(micro_batches, loss_fn)
-        # In the parameters' order, a zero total where this rank's share of the lot is empty: the
-        # all-reduce below adds the ranks' totals as one flat buffer, position by position. (In the
-        # order the engine booked them, an empty share's zeros came in another order, and rank 1
-        # took rank 0's totals under the wrong parameters' names.)
+        # In the parameters' order, zeros for what this rank's share of the lot did not book (all
+        # of it when the share is empty): the all-reduce below adds the ranks' totals as one flat
+        # buffer, position by position, so every rank must list them in the same order.
         summed = {name: summed[name] if name in summed else torch.zeros_like(p, dtype=torch.float64) for name, p in self.params.items()}
         noise_free = {n: (t / self.expected_lot_size).float() for n, t in summed.items()} if self.observe_noise_free else None
         if self.parallel.world_size > 1:  # the grid rounds the whole lot's sum: add the shards first

@@ -288,8 +288,8 @@ class FastEngine(PerExampleEngine):
 
     def add_clipped_sum(self, batch, loss_fn, total):
         # Each parameter's fp32 sum goes into the float64 total once its last module is booked,
-        # so the micro-batch's fp32 sums never all exist at once (peak memory as drawn, tiny
-        # model, lot 256: 1.03× non-private → 1.02×). A parameter no module used adds nothing.
+        # so the micro-batch's fp32 sums never all exist at once (peak memory: docs/performance.md).
+        # A parameter no module used adds nothing.
         summed: dict[str, torch.Tensor] = {}
 
         def booked(names: Iterable[str]) -> None:
