@@ -7,36 +7,34 @@ import sys
 
 import pytest
 
-STEPS = """
+BLOCKS = """
 import resource, torch
 from dpmuon.training.runtime import keep_freed_memory
 
-torch.set_num_threads(2)
-head, x = torch.nn.Linear(128, 50257), torch.randn(64, 128)  # a GPT-2-sized LM head's logits: 12.9 MB a step
-
-def step():
-    head(x).logsumexp(-1).sum().backward()
-
-def faults_of_five_steps() -> int:
+def faults_of_ten_blocks() -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):
-        step()
+    for _ in range(10):
+        torch.empty(12 * 2**20).fill_(1.0)  # 48 MiB, a GPT-2 small micro-batch's logits are larger
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-step()
-default = faults_of_five_steps()
+faults_of_ten_blocks()
+default = faults_of_ten_blocks()
 kept = keep_freed_memory()
-step()
-print(default, kept, faults_of_five_steps())
+faults_of_ten_blocks()
+print(default, kept, faults_of_ten_blocks())
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_the_steps_reuse_freed_memory_instead_of_faulting_it_in_again():
-    """By default glibc unmaps each step's large freed blocks and the next step faults their pages
-    in again (≈ 30–45k page faults over these five steps); once freed memory is kept, the steps
-    reuse it (≈ 3–6k measured)."""
-    done = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, check=True)
+def test_large_blocks_are_reused_instead_of_faulted_in_again():
+    """glibc mmaps every block above its mmap threshold, which it raises on its own to 32 MiB at
+    most, and unmaps it on free: by default each 48 MiB block is faulted in again, page by page
+    (12,288 pages each). Once freed memory is kept, the same block is reused (0 measured).
+
+    A step's smaller blocks (a tiny model's logits) are reused only once the heap has settled: glibc's
+    aligned allocations fragment it for a few steps, so counts over a few head steps vary from run
+    to run (0 to 25k page faults over ten steps measured), so this test counts none of them."""
+    done = subprocess.run([sys.executable, "-c", BLOCKS], capture_output=True, text=True, check=True)
     default, kept, after = done.stdout.split()
     assert kept == "True"
-    assert int(default) > 15_000 and int(after) < int(default) // 4, done.stdout
+    assert int(default) > 100_000 and int(after) < int(default) // 20, done.stdout
