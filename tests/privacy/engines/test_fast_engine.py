@@ -354,3 +354,21 @@ def test_constant_time_engine_computes_every_position_and_releases_the_same(monk
     assert seen and all(bool(active.all()) for active in seen)
     for name, total in skipping.items():
         assert torch.allclose(constant[name], total, rtol=1e-5, atol=1e-8), name
+
+
+def test_a_position_is_skipped_only_when_its_output_gradient_is_exactly_zero():
+    """Skipping is exact only for rows that are zero in every entry: a lone subnormal, a NaN or
+    an infinity keeps its row (a squared norm would underflow or drop the NaN), ±0 does not,
+    and under constant time no row is skipped."""
+    from dpmuon.privacy.engines.fast import Trace
+
+    grads = torch.zeros(2, 6, 50_000)
+    grads[0, 0, 49_999] = 1e-45  # subnormal: its square underflows to 0 in fp32
+    grads[0, 1, 3] = float("nan")
+    grads[0, 2, 7] = float("-inf")
+    grads[0, 3, 11] = -0.0
+    grads[1, 4] = torch.randn(50_000)
+    inputs = torch.randn(2, 6, 4)
+    expected = torch.tensor([[True, True, True, False, False, False], [False, False, False, False, True, False]])
+    assert torch.equal(Trace(inputs, grads).active(), expected)
+    assert bool(Trace(inputs, grads, keep_all=True).active().all())
