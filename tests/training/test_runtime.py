@@ -37,4 +37,5 @@ def test_large_blocks_are_reused_instead_of_faulted_in_again():
     done = subprocess.run([sys.executable, "-c", BLOCKS], capture_output=True, text=True, check=True)
     default, kept, after = done.stdout.split()
     assert kept == "True"
-    assert int(default) > 100_000 and int(after) < int(default) // 20, done.stdout
+    # At least a fault per block by default (12,288 with 4 KiB pages, fewer where huge pages are always on).
+    assert int(default) >= 10 and int(after) < int(default) // 20, done.stdout
