@@ -27,7 +27,7 @@ VALUES = ("normal", "1% subnormal", "all subnormal")
 
 # One process per mode: prints {values: {"book-keeping": s, "input gradient": s}} as JSON.
 CHILD = """
-import json, statistics, sys, time, torch
+import statistics, sys, time, torch
 mode, threads, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if mode == "set-first":
     torch.set_flush_denormal(True)  # before the pool exists: every worker thread inherits it
@@ -51,7 +51,8 @@ def seconds(f):
 out = {}
 for name, g in (("normal", normal), ("1% subnormal", mixed), ("all subnormal", subnormal)):
     out[name] = {"book-keeping": seconds(lambda: g.T @ x), "input gradient": seconds(lambda: g @ weight)}
-print(json.dumps(out))
+from dpmuon.jsontext import to_json  # imported last: nothing before the flag may start torch's pool
+print(to_json(out))
 """
 
 
