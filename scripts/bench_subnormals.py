@@ -1,6 +1,7 @@
 """What subnormal floats cost a CPU step: the LM head's two GEMMs on fp32 output gradients whose
 entries are normal, 1% subnormal or all subnormal, with flush-to-zero (torch.set_flush_denormal)
-off, set after torch's thread pool exists, or set before it.
+off, set after torch's thread pool exists, set before it, or as a constant-time release sets it
+(dpmuon.privacy.subnormals: the pool started flushing, the calling thread flushing inside the lot).
 
 Constant-time lots fix a step's shapes, not its values. On x86 an arithmetic instruction whose
 input is subnormal (below 1.2e-38 in fp32) can take a microcode assist of ~100 cycles, so a step
@@ -22,16 +23,20 @@ from pathlib import Path
 from dpmuon.jsontext import to_json
 from dpmuon.training.run_files import code_version
 
-MODES = ("off", "set-late", "set-first")
+MODES = ("off", "set-late", "set-first", "dpmuon")
 VALUES = ("normal", "1% subnormal", "all subnormal")
 
 # One process per mode: prints {values: {"book-keeping": s, "input gradient": s}} as JSON.
 CHILD = """
-import statistics, sys, time, torch
+import contextlib, statistics, sys, time, torch
 mode, threads, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if mode == "set-first":
     torch.set_flush_denormal(True)  # before the pool exists: every worker thread inherits it
-torch.set_num_threads(threads)
+if mode == "dpmuon":
+    from dpmuon.privacy.subnormals import flushing, start_flushing_threads
+    start_flushing_threads(threads)  # what the driver does first (the caller is left not flushing)
+else:
+    torch.set_num_threads(threads)
 rows, vocab, width = 32 * 26, 50257, 128  # a micro-batch's labelled positions at the tiny model's head
 gen = torch.Generator().manual_seed(0)
 normal = torch.rand(rows, vocab, generator=gen) * 1e-3
@@ -49,8 +54,9 @@ def seconds(f):
         start = time.perf_counter(); f(); times.append(time.perf_counter() - start)
     return statistics.median(times)
 out = {}
-for name, g in (("normal", normal), ("1% subnormal", mixed), ("all subnormal", subnormal)):
-    out[name] = {"book-keeping": seconds(lambda: g.T @ x), "input gradient": seconds(lambda: g @ weight)}
+with flushing() if mode == "dpmuon" else contextlib.nullcontext():  # the privatizer's per-example pass
+    for name, g in (("normal", normal), ("1% subnormal", mixed), ("all subnormal", subnormal)):
+        out[name] = {"book-keeping": seconds(lambda: g.T @ x), "input gradient": seconds(lambda: g @ weight)}
 from dpmuon.jsontext import to_json  # imported last: nothing before the flag may start torch's pool
 print(to_json(out))
 """

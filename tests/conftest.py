@@ -12,6 +12,11 @@ import torch
 from helpers_runs import write_runs_tree
 
 from dpmuon.models import IGNORE_INDEX, Shape, build_random_lm
+from dpmuon.privacy import start_flushing_threads
+
+# Before any test's torch work, as the driver does: torch's worker threads flush subnormals, so a
+# constant-time release in this process runs as in a run's (tests/privacy/test_subnormals.py).
+start_flushing_threads()
 
 VOCAB = 97
 

@@ -50,6 +50,7 @@ _EXPORTS = {
     "PoissonLotSampler": "sampling",
     "ShuffleLotSampler": "sampling",
     "build_lot_sampler": "sampling",
+    "start_flushing_threads": "subnormals",
 }
 
 __all__ = sorted(_EXPORTS)

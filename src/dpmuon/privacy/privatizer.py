@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,13 @@ from .ledger import PrivacyLedger, release_digest
 from .noise import GaussianNoise, block_noise_stds
 from .settings import default
 from .sharded import as_shard_grad, reduce_rows_in_rank_order, rows_of, shard_digest, sharded, together
+from .subnormals import flush_supported, flushing, start_flushing_threads, workers_flush
+
+WORKERS_DO_NOT_FLUSH = (
+    "torch's CPU worker threads were started before the private run could make them flush subnormal floats to zero, so a "
+    "step's time can still depend on the values of its examples (docs/privacy.md, 'subnormal floats'): call "
+    "dpmuon.privacy.start_flushing_threads() first thing in the process, before any torch work"
+)
 
 
 class NonFiniteReleaseError(RuntimeError):
@@ -111,6 +119,14 @@ class Privatizer:
         self.sharded = sharded(self.params, self.parallel.world_size)
         if self.sharded and self.observe_noise_free is not None:
             raise ValueError("the noise-free diagnostics need the whole clipped sum on one rank; a sharded release has no rank that holds it")
+        # Constant-time lots fix a step's shapes; on the CPU, flush-to-zero keeps subnormal values
+        # from setting its time (privacy/subnormals.py). Starting the threads here covers make_private
+        # and DPTrainer where the user's process has not started them yet.
+        on_cpu = all(p.device.type == "cpu" for p in self.params.values())
+        self.flush_subnormals = self.constant_time and on_cpu and flush_supported()
+        self._warned_workers = False
+        if self.flush_subnormals:
+            start_flushing_threads()
 
     def release_noise_std(self) -> dict[str, float]:
         """Public per-entry noise std of g̃ for each parameter: std_W / B_expected."""
@@ -214,6 +230,17 @@ class Privatizer:
         return released
 
     def _clipped_total(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], ReleaseStats]:
+        """`_sum_clipped`, with subnormals flushed to zero on every thread that computes it where
+        constant-time lots run on the CPU."""
+        if not self.flush_subnormals:
+            return self._sum_clipped(micro_batches, loss_fn)
+        if not (workers_flush() or self._warned_workers):  # checked at every lot: user code may start threads
+            warnings.warn(WORKERS_DO_NOT_FLUSH, stacklevel=2)
+            self._warned_workers = True
+        with flushing():
+            return self._sum_clipped(micro_batches, loss_fn)
+
+    def _sum_clipped(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], ReleaseStats]:
         """The lot's clipped sum (float64) and statistics; the first micro-batch with rows is first
         checked for a per-example loss that does not couple the examples (once per privatizer)."""
         summed: dict[str, torch.Tensor] = {}

@@ -49,6 +49,7 @@ from ..privacy.state import (
     restore_mechanism,
     verify_ledger,
 )
+from ..privacy.subnormals import start_flushing_threads
 from .batching import bucketed_micro_batches, fixed_batch_shape, lot_micro_batches, rank_share
 from .checkpoint import CHECKPOINT_FILE, checkpoint, failed_writes_stop, load_checkpoint, restore_weights, rng_restore, save_mechanism, spent_without_checkpoint
 from .data import prepare_data
@@ -111,10 +112,12 @@ def run_claimed(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 def setup_process(cfg: DictConfig, run_dir: Path) -> tuple[torch.device, DataParallel, Path]:
     """Threads, the public seed, the device, the process group and the run folder every rank writes into."""
-    if cfg.trainer.num_threads:
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cpu":  # before any parallel torch work: the worker threads flush subnormals (privacy/subnormals.py)
+        start_flushing_threads(cfg.trainer.num_threads)
+    elif cfg.trainer.num_threads:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     torch.manual_seed(int(cfg.seed))
-    device = resolve_device(cfg.trainer.device)
     if device.type == "cpu" and cfg.trainer.get("keep_freed_memory", False):  # (absent from runs stored before it)
         keep_freed_memory()  # a step's tensors reuse the last step's memory instead of faulting it in again
     parallel = init_data_parallel(device.type)
