@@ -62,6 +62,7 @@ from dpmuon.optim import OptimizerInputs, build_optimizer
 from dpmuon.paths import REPO_ROOT
 from dpmuon.privacy.lot_bound import length_histogram
 from dpmuon.privacy.mechanism import MechanismSettings, build_mechanism, lot_limit
+from dpmuon.privacy.subnormals import start_flushing_threads
 from dpmuon.training.batching import bucketed_micro_batches, lot_micro_batches
 from dpmuon.training.data import prepare_data
 from dpmuon.training.loop import privacy_settings
@@ -575,8 +576,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cpu":  # as the driver: a constant-time release flushes subnormals on every thread
+        start_flushing_threads(args.threads)
+    else:
+        torch.set_num_threads(args.threads)
     if device.type == "cpu" and args.keep_freed_memory:
         keep_freed_memory()  # trainer.keep_freed_memory=true: every row with it
     if args.memory_probe:
