@@ -98,6 +98,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args()
 
+    # Before any torch work: torch's worker threads then flush subnormal floats, which constant-time
+    # lots need on the CPU (their slow arithmetic would otherwise time the lot's values).
+    dpmuon.privacy.start_flushing_threads()
     torch.manual_seed(0)  # the model's initial weights (public); the lots and the noise are secret
     tokenizer = load_tokenizer()
     examples = read_examples(args.data, args.source_key, args.target_key, tokenizer, max_tokens=MAX_TOKENS)
