@@ -1,16 +1,16 @@
 """Flush-to-zero while a lot's gradients are computed, on every CPU thread that computes them.
 
 On x86 an operation with a subnormal input (below 1.2e-38 in fp32) can take a microcode assist of
-~100 cycles: `scripts/bench_subnormals.py` measured the LM head's GEMMs 2.1-2.5x slower with 1% of
-the output gradients subnormal. A step's time would then depend on its examples' values, which
+~100 cycles: `scripts/bench_subnormals.py` measured the LM head's GEMMs 2.4-2.9x slower with 1% of
+the output gradients subnormal (results/bench/subnormals.json). A step's time would then depend on its examples' values, which
 constant-time lots (fixed shapes) do not hide. Flush-to-zero (MXCSR's FTZ and DAZ bits, set by
 `torch.set_flush_denormal`) reads and writes such values as zero at full speed.
 
 The flag belongs to a thread, and a thread takes its creator's flag when it is created, so torch's
 intra-op workers flush only if a flushing thread started them: `start_flushing_threads` does that
 before the pool exists and leaves the caller as it was. The caller flushes only inside `flushing()`
-(the privatizer's per-example pass): the accounting and the release's float64 grid arithmetic run
-there too, and they are analysed with IEEE gradual underflow. Both states are checked by behaviour
+(the privatizer's per-example pass): the accounting and the release's float64 grid arithmetic also
+run on the calling thread, and they are analysed with IEEE gradual underflow. Both states are checked by behaviour
 (a product of subnormal bit patterns, read back as integers), never assumed.
 """
 
