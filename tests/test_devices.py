@@ -40,7 +40,7 @@ FACTORIES = {
 
 # (file under src/dpmuon, function) → why a host tensor is intended there.
 HOST_ON_PURPOSE = {
-    ("privacy/privatizer.py", "_clipped_total"): "per-block clip counts: host-side diagnostics, added to ClipStats' .cpu() counts",
+    ("privacy/privatizer.py", "_sum_clipped"): "per-block clip counts: host-side diagnostics, added to ClipStats' .cpu() counts",
     ("privacy/privatizer.py", "release"): "the non-private release's empty clip counts: host-side diagnostics",
     ("data/collate.py", "_padded"): "batches are padded on the host; callers move them to the model's device",
 }
