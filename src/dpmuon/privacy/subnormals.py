@@ -26,12 +26,21 @@ import torch
 _PER_THREAD = 1 << 16
 
 
+def _subnormals(*shape: int) -> torch.Tensor:
+    """2⁻¹⁴⁹ everywhere, made by its bits (arithmetic would already flush it)."""
+    return torch.ones(*shape, dtype=torch.int32).view(torch.float32)
+
+
 def _product_of_subnormals(n: int) -> torch.Tensor:
-    """2⁻¹⁴⁹ × 1, n times, as int32 bits: all zero where every thread that computed it flushes.
-    The inputs are made by their bits (arithmetic would already flush them) and the result is
-    read as integers (a comparison of floats would read a subnormal as zero too)."""
-    subnormal = torch.ones(n, dtype=torch.int32).view(torch.float32)
-    return (subnormal * 1.0).view(torch.int32)
+    """2⁻¹⁴⁹ × 1, n times, as int32 bits: all zero where every thread that computed it flushes
+    (read as integers: a comparison of floats would read a subnormal as zero too)."""
+    return (_subnormals(n) * 1.0).view(torch.int32)
+
+
+def _gemm_of_subnormals() -> torch.Tensor:
+    """The same through the BLAS, whose threads a build may keep apart from torch's own: a
+    [256 × 256] product that it splits between its threads (each row a sum of 256 subnormals)."""
+    return (_subnormals(256, 256) @ torch.ones(256, 256)).view(torch.int32)
 
 
 def caller_flushes() -> bool:
@@ -43,7 +52,7 @@ def workers_flush() -> bool:
     """Whether every thread of torch's intra-op pool reads subnormals as zero: the caller flushes
     for the check, and a product that every thread takes a share of must come out all zero."""
     with flushing():
-        return not bool(_product_of_subnormals(_PER_THREAD * torch.get_num_threads()).any())
+        return not (bool(_product_of_subnormals(_PER_THREAD * torch.get_num_threads()).any()) or bool(_gemm_of_subnormals().any()))
 
 
 def flush_supported() -> bool:
@@ -64,6 +73,7 @@ def start_flushing_threads(threads: int | None = None) -> bool:
         if threads:
             torch.set_num_threads(threads)
         _product_of_subnormals(_PER_THREAD * torch.get_num_threads())  # a parallel region: the pool starts here
+        _gemm_of_subnormals()  # and the BLAS's, where it has its own
     finally:
         torch.set_flush_denormal(was)
     return workers_flush()
