@@ -67,15 +67,11 @@ def start_flushing_threads(threads: int | None = None) -> bool:
     """Set torch's thread count (None: keep it) and start its intra-op threads from a flushing
     caller, so that each of them flushes; the caller is left as it was. To take effect it must run
     before any parallel torch work (the pool is started once). Returns `workers_flush()`."""
-    was = caller_flushes()
-    torch.set_flush_denormal(True)
-    try:
+    with flushing():
         if threads:
             torch.set_num_threads(threads)
         _product_of_subnormals(_PER_THREAD * torch.get_num_threads())  # a parallel region: the pool starts here
         _gemm_of_subnormals()  # and the BLAS's, where it has its own
-    finally:
-        torch.set_flush_denormal(was)
     return workers_flush()
 
 
