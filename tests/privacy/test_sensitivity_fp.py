@@ -9,6 +9,8 @@ was calibrated for — which needs every example's contribution to be independen
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import VOCAB, tiny_gpt2, token_batch
@@ -18,6 +20,7 @@ from dpmuon.data import EncodedExample
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition
 from dpmuon.privacy.engines.fast import FastEngine, ghost_weight_norms
+from dpmuon.privacy.subnormals import flush_supported, flushing
 from dpmuon.training.batching import lot_micro_batches
 
 SLACK = 1.0  # none: clipping to C_W·CLIP_MARGIN keeps computed contributions within C_W
@@ -210,6 +213,60 @@ def test_neighbouring_lots_differ_by_at_most_the_sensitivity_under_bf16(engine):
         assert difference <= block.threshold * SLACK, block.name
         squares.append(difference**2)
     assert sum(squares) ** 0.5 <= partition.sensitivity * SLACK
+
+
+# ---- underflow: an absolute error, so the thresholds have a floor ------------------------------
+
+
+def clipped_contribution(a, b, threshold, norms):
+    """One example's clipped book-keeping sum, as the fast engine computes it, and its norm."""
+    from dpmuon.privacy.clipping import clip_factors
+    from dpmuon.privacy.engines.fast import weighted_outer_sum
+
+    factors = clip_factors(norms(a, b).double().sqrt().unsqueeze(1), [threshold]).float()
+    return float(weighted_outer_sum(a, b, factors[:, 0], out_in=True).double().norm())
+
+
+@pytest.mark.skipif(not flush_supported(), reason="no flush-to-zero on this CPU")
+@pytest.mark.parametrize("flush", [False, True])
+def test_flushed_products_in_a_sum_break_a_tiny_threshold(flush):
+    """A 1 × 1 layer whose gradient Σ_t a_t·b_t = 2⁻¹¹⁹ − 1024·2⁻¹³⁰ = 2⁻¹²⁰: its 1024 small
+    products are subnormal, so under flush-to-zero the book-keeping sum reads 2⁻¹¹⁹ — clipped at
+    C_W = 2⁻¹²¹, the contribution is 2·C_W (the norm, float64, is exact either way)."""
+    a = torch.full((1, 1025, 1), 2.0**-65)
+    b = torch.full((1, 1025, 1), -(2.0**-65))
+    b[0, -1, 0] = 2.0**-54
+    threshold = 2.0**-121
+    with flushing() if flush else contextlib.nullcontext():
+        contribution = clipped_contribution(a, b, threshold, ghost_weight_norms)
+    assert contribution > 1.9 * threshold if flush else contribution <= threshold
+
+
+@pytest.mark.skipif(not flush_supported(), reason="no flush-to-zero on this CPU")
+@pytest.mark.parametrize("flush, entry", [(True, 2.0**-70), (False, 2.0**-76)])
+def test_fp32_squares_that_underflow_break_a_tiny_threshold(flush, entry):
+    """Direct fp32 norms of a gradient whose 4096 entries have squares below fp32's range (flushed
+    under flush-to-zero, rounded to 0 below 2⁻¹⁵⁰ without): the norm reads 0, the example is not
+    clipped, and it contributes 2·C_W at C_W = 32·entry (2.7e-20 and 4.2e-22: the floor was once
+    1e-20, for the flushed sums above only)."""
+    from dpmuon.privacy.engines.fast import direct_weight_norms
+
+    a = torch.full((1, 1, 64), entry**0.5)
+    threshold = 32 * entry
+    with flushing() if flush else contextlib.nullcontext():
+        assert float(direct_weight_norms(a, a)) == 0.0
+        contribution = clipped_contribution(a, a, threshold, direct_weight_norms)
+    assert contribution == pytest.approx(2 * threshold)
+
+
+def test_thresholds_below_the_floor_are_refused():
+    from dpmuon.privacy.blocks import MIN_THRESHOLD, Block, BlockPartition
+
+    with pytest.raises(ValueError, match="need a finite C_W ≥ 1e-12"):
+        BlockPartition((Block("layer", ("layer.weight",), 2.0**-70),))
+    with pytest.raises(ValueError, match="privacy.clip_norm"):  # C/√2 per matrix: below the floor
+        build_partition(["a.weight", "b.weight"], clip_mode="per_matrix", clip_norm=1.2 * MIN_THRESHOLD, matrix_names=["a.weight", "b.weight"])
+    assert build_partition(["layer.weight"], clip_mode="flat", clip_norm=MIN_THRESHOLD).blocks[0].threshold == MIN_THRESHOLD
 
 
 # ---- the lot total and the skipped positions ------------------------------------------------

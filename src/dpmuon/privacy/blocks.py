@@ -12,6 +12,17 @@ from dataclasses import dataclass
 
 from .settings import CLIP_MODES, OTHER_BLOCKS, THRESHOLD_RULES, default
 
+# The clip margin C_W·2⁻¹⁰ (clipping.py) absorbs relative rounding. A result that underflows fp32
+# carries an absolute error instead: it loses up to 2⁻¹²⁶ ≈ 1.2e-38 under flush-to-zero
+# (privacy/subnormals.py), 2⁻¹⁵⁰ with gradual underflow. Where the thresholds are small enough
+# this breaks the bound, measurably (tests/privacy/test_sensitivity_fp.py): fp32 squares of
+# gradient entries below ~1e-19 read as 0 in a norm (an example 2·C_W long is then not clipped at
+# C_W ≈ 3e-20), and flushed products in a book-keeping sum (2·C_W at C_W ≈ 4e-37). From this floor
+# up both stay under half the margin: the squares lose at most n_W·2⁻¹²⁶ of a norm², under
+# 2⁻¹¹·C_W² for blocks of up to 4·10¹⁰ coordinates; flushed products move neighbouring lots' sums by
+# at most 2·√n_W·R·2⁻¹²⁶ for R token rows in a lot, under 2⁻¹¹·C_W while √n_W·R ≤ 2·10²².
+MIN_THRESHOLD = 1e-12
+
 
 @dataclass(frozen=True)
 class Block:
@@ -29,8 +40,11 @@ class BlockPartition:
         for block in self.blocks:
             if not block.params:
                 raise ValueError(f"block {block.name!r} is empty")
-            if not (block.threshold > 0 and math.isfinite(block.threshold)):
-                raise ValueError(f"block {block.name!r} has threshold {block.threshold}; need a finite C_W > 0")
+            if not (block.threshold >= MIN_THRESHOLD and math.isfinite(block.threshold)):
+                raise ValueError(
+                    f"block {block.name!r} has threshold {block.threshold}; need a finite C_W ≥ {MIN_THRESHOLD:g} "
+                    "(below it fp32 underflow, an absolute error, can exceed the clip margin: raise privacy.clip_norm)"
+                )
             overlap = seen.intersection(block.params)
             if overlap:
                 raise ValueError(f"parameters {sorted(overlap)} belong to more than one block")
