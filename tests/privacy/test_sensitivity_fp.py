@@ -46,7 +46,7 @@ def exact_weight_norms(a, b):
 def test_ghost_norms_of_cancelling_gradients_are_exact():
     a, b = cancelling_traces()
     exact = exact_weight_norms(a, b)
-    assert torch.allclose(ghost_weight_norms(a, b).double(), exact, rtol=1e-8, atol=0)  # fp32 Grams: norms up to 4% low
+    assert torch.allclose(ghost_weight_norms(a, b)[0], exact, rtol=1e-8, atol=0)  # fp32 Grams: norms up to 4% low
 
 
 class Probe(nn.Module):
@@ -238,7 +238,7 @@ def test_flushed_products_in_a_sum_break_a_tiny_threshold(flush):
     b[0, -1, 0] = 2.0**-54
     threshold = 2.0**-121
     with flushing() if flush else contextlib.nullcontext():
-        contribution = clipped_contribution(a, b, threshold, ghost_weight_norms)
+        contribution = clipped_contribution(a, b, threshold, lambda a, b: ghost_weight_norms(a, b)[0])
     assert contribution > 1.9 * threshold if flush else contribution <= threshold
 
 
@@ -257,6 +257,51 @@ def test_fp32_squares_that_underflow_break_a_tiny_threshold(flush, entry):
         assert float(direct_weight_norms(a, a)) == 0.0
         contribution = clipped_contribution(a, a, threshold, direct_weight_norms)
     assert contribution == pytest.approx(2 * threshold)
+
+
+def crafted_example(case: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One example's (a, b) at a 1 × 1 layer, built against the fp32 book-keeping:
+    underflow: a normal product 1.01·3e28 and a tiny input (1e-10) times −3e38, which cancel to
+    1% — scaled by the factor (~3e-30), the tiny input is subnormal and flushed, and the rest,
+    ~100·C_W, is summed unclipped against it; overflow: products +3e38, +3e38, −3e38, −3e38,
+    which cancel exactly (norm 0, factor 1) but whose fp32 partial sums leave fp32's range, so the
+    sum would not be finite. (The layer's weight is 0, so the loss itself stays finite.)"""
+    if case == "underflow":
+        return torch.tensor([[[1.0], [1e-10]]]), torch.tensor([[[3e38 * 1e-10 * 1.01], [-3e38]]])
+    return torch.full((1, 4, 1), 1e19), torch.tensor([[[3e19], [3e19], [-3e19], [-3e19]]])
+
+
+@pytest.mark.skipif(not flush_supported(), reason="no flush-to-zero on this CPU")
+@pytest.mark.parametrize("case, flush", [("underflow", True), ("underflow", False), ("overflow", False)])
+def test_an_example_with_traces_beyond_the_bound_is_dropped(case, flush, monkeypatch):
+    """Beside an ordinary example, the crafted one contributes nothing and is counted as dropped,
+    so the release is the ordinary example's alone. Without TRACE_BOUND the crafted one alone
+    contributes ~100·C_W flushed (underflow) or makes the sum non-finite, which stops the run
+    whenever it is drawn (overflow)."""
+    from dpmuon.privacy.engines.fast import layers
+
+    crafted_a, crafted_b = crafted_example(case)
+    g = torch.Generator().manual_seed(0)
+    positions = crafted_a.shape[1]
+    ordinary = {"a": torch.randn(1, positions, 1, generator=g), "b": torch.randn(1, positions, 1, generator=g)}
+    both = {"a": torch.cat([crafted_a, ordinary["a"]]), "b": torch.cat([crafted_b, ordinary["b"]])}
+    partition = build_partition(["layer.weight"], clip_mode="flat", clip_norm=1e-3)
+    model = Probe(1)
+    nn.init.zeros_(model.layer.weight)
+    engine = FastEngine(model, partition, weight_norms="ghost")
+    with flushing() if flush else contextlib.nullcontext():
+        summed, _, stats = engine.clipped_sum(both, probe_loss)
+        alone, _, _ = engine.clipped_sum(ordinary, probe_loss)
+        monkeypatch.setattr(layers, "TRACE_BOUND", float("inf"))
+        unguarded, _, _ = engine.clipped_sum({"a": crafted_a, "b": crafted_b}, probe_loss)
+    assert stats.nonfinite == 1 and stats.examples == 2
+    assert torch.equal(summed["layer.weight"], alone["layer.weight"])
+    if case == "overflow":
+        assert not torch.isfinite(unguarded["layer.weight"]).all()
+    elif flush:
+        assert block_norm(unguarded, partition.blocks[0]) > 50 * 1e-3
+    else:  # gradual underflow loses at most 2⁻¹⁵⁰·3e38 here: clipped as analysed
+        assert block_norm(unguarded, partition.blocks[0]) <= 1e-3
 
 
 def test_thresholds_below_the_floor_are_refused():
@@ -297,8 +342,10 @@ def test_positions_without_output_gradient_are_skipped_exactly():
     b[:, :5] = 0  # a prompt
     b[2, 8:] = 0  # padding of one example
     active = b.ne(0).any(-1)
-    assert ghost_weight_norms(a, b, active).dtype == torch.float64
-    assert torch.allclose(ghost_weight_norms(a, b, active), exact_weight_norms(a, b), rtol=1e-12, atol=0)
+    norms, grads = ghost_weight_norms(a, b, active)
+    assert norms.dtype == grads.dtype == torch.float64
+    assert torch.allclose(norms, exact_weight_norms(a, b), rtol=1e-12, atol=0)
+    assert torch.allclose(grads, b.double().square().sum((1, 2)), rtol=1e-12, atol=0)
     scale = torch.rand(4, generator=g)
     for out_in in (True, False):
         expected = torch.einsum("i,itj,itk->jk", scale.double(), b.double(), a.double())

@@ -62,16 +62,20 @@ class ClipStats:
     examples: int
     clipped: torch.Tensor  # [K] examples whose block norm exceeded C_W
     norm_sum: float  # Σ_i ‖g_i‖ over finite examples (all blocks jointly)
-    nonfinite: int  # examples dropped for NaN/inf gradients
+    nonfinite: int  # examples dropped: NaN/inf gradients, or traces beyond the fast engine's TRACE_BOUND
 
     @classmethod
-    def from_norms(cls, block_norms: torch.Tensor, thresholds: Sequence[float]) -> ClipStats:
+    def from_norms(cls, block_norms: torch.Tensor, thresholds: Sequence[float], examples: torch.Tensor | None = None) -> ClipStats:
+        """From the [B, K] block norms of the rows that `examples` marks (all rows when None).
+        Masks, not selections: the same shapes whatever the lot holds (constant-time lots)."""
         C = torch.as_tensor(thresholds, dtype=block_norms.dtype, device=block_norms.device)
+        rows = torch.ones(block_norms.shape[0], dtype=torch.bool, device=block_norms.device) if examples is None else examples
         finite = torch.isfinite(block_norms).all(dim=1)
-        total = block_norms[finite].pow(2).sum(1).sqrt()
+        counted = (finite & rows).unsqueeze(1)
+        total = block_norms.masked_fill(~counted, 0).pow(2).sum(1).sqrt()
         return cls(
-            examples=int(block_norms.shape[0]),
-            clipped=(block_norms[finite] > C).sum(0).cpu(),
+            examples=int(rows.sum()),
+            clipped=((block_norms > C) & counted).sum(0).cpu(),
             norm_sum=float(total.sum()),
-            nonfinite=int((~finite).sum()),
+            nonfinite=int((~finite & rows).sum()),
         )

@@ -250,9 +250,9 @@ class Privatizer:
                 with record_function("dpmuon.conformance"):
                     self.conformance_checked = check_first_micro_batch(self.model, batch, loss_fn)
             losses, clip = self._engine.add_clipped_sum(batch, loss_fn, summed)
-            finite = torch.isfinite(losses)
+            finite = torch.isfinite(losses)  # filler rows' losses are NaN
             stats.lot_size += clip.examples
-            stats.loss_sum += float(losses[finite].sum())
+            stats.loss_sum += float(losses.masked_fill(~finite, 0).sum())
             stats.loss_count += int(finite.sum())
             stats.norm_sum += clip.norm_sum
             stats.nonfinite += clip.nonfinite

@@ -39,6 +39,12 @@ def example_rows(batch: Mapping[str, Any], size: int, device: torch.device) -> t
     return mask.to(device)
 
 
+def example_losses(losses: torch.Tensor, examples: torch.Tensor) -> torch.Tensor:
+    """[B] the rows' losses, NaN on the rows that only fill the micro-batch up (a mask, not a
+    selection: the same shape whatever the lot holds)."""
+    return losses.detach().masked_fill(~examples, float("nan"))
+
+
 def add_to_lot_total(total: dict[str, torch.Tensor], part: Mapping[str, torch.Tensor]) -> None:
     """Add clipped sums (fp32) into the lot's float64 totals, name by name.
 
@@ -81,10 +87,10 @@ class PerExampleEngine(ABC):
 
     @abstractmethod
     def clipped_sum(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], torch.Tensor, ClipStats]:
-        """Return (Σ_i c_i,W g_i,W per parameter name in fp32, the examples' losses, stats).
+        """Return (Σ_i c_i,W g_i,W per parameter name in fp32, every row's loss, stats).
 
-        Losses and stats cover only the rows `example_rows` marks; the other rows contribute
-        nothing. Must leave no per-example or non-private gradient behind on the parameters.
+        Only the rows `example_rows` marks count: the others contribute nothing, their losses are
+        NaN (`example_losses`) and the stats leave them out. Must leave no per-example or non-private gradient behind on the parameters.
         """
 
     def add_clipped_sum(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss, total: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ClipStats]:

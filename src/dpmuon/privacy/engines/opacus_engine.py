@@ -16,7 +16,7 @@ from torch import nn
 
 from ..clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
 from . import opacus_samplers  # noqa: F401  (registers the Conv1D and HF RMSNorm grad samplers)
-from .base import PerExampleEngine, example_rows, full_precision, register_engine
+from .base import PerExampleEngine, example_losses, example_rows, full_precision, register_engine
 
 
 def functorch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -123,7 +123,7 @@ class OpacusEngine(PerExampleEngine):
             for name, g in grads.items():
                 g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)  # 0·NaN would be NaN
                 summed[name] = torch.einsum("b,b...->...", factors[:, self.block_of[name]], g)
-        return summed, losses[examples], ClipStats.from_norms(norms[examples], self.thresholds)
+        return summed, example_losses(losses, examples), ClipStats.from_norms(norms, self.thresholds, examples)
 
     def close(self):
         for handle in self._checks:

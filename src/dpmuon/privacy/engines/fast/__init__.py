@@ -38,6 +38,10 @@ amplifies their rounding, so the parts and the cross term are float64 too; all s
 are accumulated in float64. A formed gradient's sum of squares does not cancel: direct,
 LayerNorm and bias norms stay fp32 (rounding linear in R, like the fp32 book-keeping sums: a
 relative 3e-5 at R ≈ 6000 — the floor Opacus' materialized fp32 per-example gradients have).
+Underflow is an absolute error, not a relative one: thresholds have a floor (`blocks.
+MIN_THRESHOLD`), and an example whose traces at an affine layer or an embedding exceed
+`layers.TRACE_BOUND` is dropped, since the book-keeping's scaled operand can underflow against a
+large other operand (the bound's comment has the arithmetic).
 
 Layout: `kernels` (norm and book-keeping tensor kernels), `layers` (the layer rules and their
 registry, keyed by exact module type: `register_layer`), `generic` (the fallback rule), `engine`

@@ -17,7 +17,7 @@ from torch.profiler import record_function
 from ...blocks import BlockPartition
 from ...clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
 from ...settings import ENGINE_FALLBACKS
-from ..base import PerExampleEngine, PerExampleLoss, add_to_lot_total, example_rows, full_precision, register_engine
+from ..base import PerExampleEngine, PerExampleLoss, add_to_lot_total, example_losses, example_rows, full_precision, register_engine
 from .generic import GenericLayer, PerExampleGradients
 from .kernels import WEIGHT_NORM_RULES, WeightNormRule, tied_cross_term
 from .layers import EXAMPLE_MAJOR_FLATTENING, LAYER_RULES, AffineLayer, EmbeddingLayer, Layer, Trace, rule_for
@@ -377,7 +377,8 @@ class FastEngine(PerExampleEngine):
         # fill the micro-batch up (EXAMPLE_MASK) get 0.
         factors = clip_factors(norms, self.thresholds).masked_fill(~examples.unsqueeze(1), 0).float()
         dropped = ~torch.isfinite(norms).all(dim=1)
-        if bool(dropped.any()):
+        # Under constant-time lots always, or a lot holding a non-finite example would take longer.
+        if self.constant_time or bool(dropped.any()):
             traces = {module: trace.without(dropped) for module, trace in traces.items()}
 
         def scale_of(name: str) -> torch.Tensor:
@@ -393,4 +394,4 @@ class FastEngine(PerExampleEngine):
             uses.subtract(layer.names.values())
             booked([name for name in layer.names.values() if uses[name] == 0])
         booked(list(summed))  # a merged generic group's sums also hold its other members' parameters
-        return losses[examples], ClipStats.from_norms(norms[examples], self.thresholds)
+        return example_losses(losses, examples), ClipStats.from_norms(norms, self.thresholds, examples)

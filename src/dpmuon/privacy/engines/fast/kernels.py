@@ -47,8 +47,9 @@ def _gram64(x: torch.Tensor) -> torch.Tensor:
     return x @ x.mT
 
 
-def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
-    """[B] float64 ‖b_iᵀ a_i‖²_F = Σ_{s,t} ⟨a_s, a_t⟩⟨b_s, b_t⟩ for a [B, T, d_in], b [B, T, d_out].
+def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B] float64 ‖b_iᵀ a_i‖²_F = Σ_{s,t} ⟨a_s, a_t⟩⟨b_s, b_t⟩ for a [B, T, d_in], b [B, T, d_out],
+    and [B] float64 ‖b_i‖²_F, the trace of b's Gram (free here; the engine bounds it).
 
     Float64 Grams: the sum cancels (see the package docstring). active [B, T]: the positions
     with a nonzero b_t (`Trace.active`); the others add nothing, so the CPU path leaves them out
@@ -58,20 +59,30 @@ def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | 
         # One example at a time: on CPU a batched float64 product over thousands of features
         # (the LM head's vocabulary) runs 2–3× slower than the 2-D ones, and each example's
         # float64 copy is then made only when needed, on its active rows only.
-        norms = []
+        norms, grads = [], []
         for i in range(a.shape[0]):
             ai, bi = a[i], b[i]
             if active is not None and not bool(active[i].all()):
                 rows = active[i].nonzero().squeeze(1)
                 ai, bi = ai.index_select(0, rows), bi.index_select(0, rows)
             ai, bi = ai.double(), bi.double()
-            norms.append((ai @ ai.T).mul_(bi @ bi.T).sum())
-        return torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=a.device)
+            gram_b = bi @ bi.T
+            grads.append(gram_b.diagonal().sum())
+            norms.append((ai @ ai.T).mul_(gram_b).sum())
+        if not norms:
+            empty = torch.zeros(0, dtype=torch.float64, device=a.device)
+            return empty, empty
+        return torch.stack(norms), torch.stack(grads)
     batch, positions = a.shape[:2]
-    out = []
+    norms, grads = [], []
     for rows in example_chunks(batch, FP64_ELEMENTS * positions * (a.shape[2] + b.shape[2] + 2 * positions)):
-        out.append(_gram64(a[rows]).mul_(_gram64(b[rows])).sum((1, 2)))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64, device=a.device)
+        gram_b = _gram64(b[rows])
+        grads.append(gram_b.diagonal(dim1=1, dim2=2).sum(1))
+        norms.append(_gram64(a[rows]).mul_(gram_b).sum((1, 2)))
+    if not norms:
+        empty = torch.zeros(0, dtype=torch.float64, device=a.device)
+        return empty, empty
+    return torch.cat(norms), torch.cat(grads)
 
 
 def direct_weight_norms(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

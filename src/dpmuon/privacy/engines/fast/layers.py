@@ -32,6 +32,34 @@ from .kernels import WeightNormRule, direct_weight_norms, ghost_weight_norms, pr
 # name → [B] fp32 scale for the examples' contributions to that parameter's clipped sum.
 ScaleOf = Callable[[str], torch.Tensor]
 
+# An example whose layer inputs or output gradients at an affine layer or an embedding exceed this
+# (Frobenius norm over its positions) is dropped as if non-finite: its fp32 book-keeping would not
+# be exact to the clip margin. The book-keeping scales one operand by the example's factor c
+# before the product, and a scaled entry that underflows loses up to 2⁻¹²⁶ (flushed; 2⁻¹⁵⁰ with
+# gradual underflow), which the other operand multiplies: crafted so that the lost part cancels
+# the rest, an example clipped to C_W = 1e-3 contributed 100·C_W (tests/privacy/
+# test_sensitivity_fp.py). Below the bound that loss is at most 2⁻¹²⁶·√(T·d)·2⁴⁰, under 2⁻¹²·C_W
+# for every C_W ≥ MIN_THRESHOLD while T·d ≤ 2⁶⁸; every product is under 2⁸⁰ and no fp32 sum of
+# fewer than 2⁴⁷ of them overflows (one that did would stop the run, when the example is drawn).
+# Real examples are many orders below it (activations ~10²–10⁴ over T·d entries).
+TRACE_BOUND = 2.0**40
+
+
+def beyond_trace_bound(*norms: torch.Tensor) -> torch.Tensor:
+    """[B] bool: examples whose trace norms exceed `TRACE_BOUND` in any of `norms` (NaN too)."""
+    return ~torch.stack([n <= TRACE_BOUND for n in norms]).all(0)
+
+
+def trace_norms(x: torch.Tensor) -> torch.Tensor:
+    """[B] Frobenius norm of each example's rows of x [B, positions, features] (fp32 accumulation;
+    an overflow reads as inf, which only errs towards dropping)."""
+    return torch.linalg.vector_norm(x, dim=(1, 2), dtype=torch.float32)
+
+
+def dropped_where(squared: dict[str, torch.Tensor], beyond: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The squared norms with +inf for the examples `beyond` the bound: the engine drops them."""
+    return {name: values.masked_fill(beyond, float("inf")) for name, values in squared.items()}
+
 
 @dataclass
 class Trace:
@@ -61,10 +89,16 @@ class Trace:
         return self._active
 
     def without(self, dropped: torch.Tensor) -> Trace:
-        """The trace with the dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN)."""
+        """The trace with the dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN).
+
+        Under constant-time lots this runs for every micro-batch, so it must be cheap: the output
+        gradients are autograd's results, the engine's own, and are zeroed in place (a pass, where a
+        copy of an LM head's [B, T, vocabulary] costs a fresh allocation); the inputs may be the
+        caller's tensors and are copied."""
         rows = dropped.view(-1, *([1] * (self.grads.dim() - 1)))
         inputs = self.inputs.masked_fill(rows, 0) if self.inputs.is_floating_point() else self.inputs
-        return Trace(inputs, self.grads.masked_fill(rows, 0), keep_all=self.keep_all)
+        grads = self.grads.masked_fill_(rows, 0) if self.grads.is_contiguous() else self.grads.masked_fill(rows, 0)
+        return Trace(inputs, grads, keep_all=self.keep_all)
 
 
 class Layer(ABC):
@@ -176,15 +210,19 @@ class AffineLayer(InPlaceLayer):
     def squared_norms(self, trace):
         a, b = trace.inputs, trace.grads
         out = {}
+        grads_norm = None
         if "weight" in self.names:
-            ghost = prefers_ghost(self.weight_norms, a.shape[1], a.shape[2], b.shape[2])
-            if ghost:
-                out[self.names["weight"]] = ghost_weight_norms(a, b, trace.active())
+            if prefers_ghost(self.weight_norms, a.shape[1], a.shape[2], b.shape[2]):
+                out[self.names["weight"]], grads_squared = ghost_weight_norms(a, b, trace.active())
+                grads_norm = grads_squared.sqrt()  # b's own Gram: no extra pass over a vocabulary-wide b
             else:
                 out[self.names["weight"]] = direct_weight_norms(a, b, self.direct_dtype)
         if "bias" in self.names:
             out[self.names["bias"]] = b.float().sum(1).square().sum(1)
-        return out
+        if grads_norm is None:
+            grads_norm = trace_norms(b)
+        bounded = [grads_norm, trace_norms(a)] if "weight" in self.names else [grads_norm]
+        return dropped_where(out, beyond_trace_bound(*bounded))
 
     def add_clipped_sums(self, trace, scale_of, sums):
         a, b = trace.inputs, trace.grads
@@ -220,16 +258,18 @@ class EmbeddingLayer(InPlaceLayer):
         # Exact and O(B·T·d): sum the gradient rows of each (example, token) pair once, then
         # ‖g_i‖² = Σ_v ‖Σ_{t: x_t = v} b_t‖² — the Gram identity Σ_{s,t}[x_s = x_t]⟨b_s, b_t⟩
         # without its T² term. Float64, cheap at this size: a tied embedding's norm is one part
-        # of a sum that may cancel.
+        # of a sum that may cancel. Every tensor is B·T rows whatever the lot's tokens (sorted
+        # keys, not torch.unique's data-sized output), so the work does not depend on how often
+        # a lot repeats a token.
         ids, b = trace.inputs, trace.grads
         batch, _, dim = b.shape
-        vocab = self.module.num_embeddings
-        keys = ids + vocab * torch.arange(batch, device=ids.device).unsqueeze(1)
-        pairs, which = torch.unique(keys.flatten(), return_inverse=True)
-        rows = torch.zeros(len(pairs), dim, dtype=torch.float64, device=b.device)
-        rows.index_add_(0, which, b.reshape(-1, dim).double())
-        squared = torch.zeros(batch, dtype=torch.float64, device=b.device)
-        return {self.names["weight"]: squared.index_add_(0, pairs // vocab, rows.square().sum(1))}
+        keys = (ids + self.module.num_embeddings * torch.arange(batch, device=ids.device).unsqueeze(1)).flatten()
+        pair = _pair_of_position(keys)
+        rows = torch.zeros(len(keys), dim, dtype=torch.float64, device=b.device)
+        rows.index_add_(0, pair, b.reshape(-1, dim).double())
+        example_of_pair = torch.zeros_like(keys).scatter_(0, pair, keys // self.module.num_embeddings)  # unused pairs: rows of 0
+        squared = torch.zeros(batch, dtype=torch.float64, device=b.device).index_add_(0, example_of_pair, rows.square().sum(1))
+        return dropped_where({self.names["weight"]: squared}, beyond_trace_bound(trace_norms(b)))
 
     def add_clipped_sums(self, trace, scale_of, sums):
         ids, b = trace.inputs, trace.grads
@@ -238,6 +278,14 @@ class EmbeddingLayer(InPlaceLayer):
         if name not in sums:
             sums[name] = torch.zeros(self.module.weight.shape, dtype=torch.float32, device=b.device)
         sums[name].index_add_(0, ids.flatten(), scaled.reshape(-1, b.shape[2]))
+
+
+def _pair_of_position(keys: torch.Tensor) -> torch.Tensor:
+    """Each key's group number among the distinct keys (0, 1, … in sorted order), as long as keys."""
+    ordered, order = keys.sort()
+    starts = torch.ones_like(ordered)
+    starts[1:] = (ordered[1:] != ordered[:-1]).long()
+    return torch.empty_like(order).scatter_(0, order, starts.cumsum(0) - 1)
 
 
 @register_layer(GemmaTextScaledWordEmbedding, Gemma2TextScaledWordEmbedding)
