@@ -35,6 +35,16 @@ def test_nonfinite_example_gets_zero_factor_in_every_block():
     assert f[1].tolist() == [0.0, 0.0] and f[2].tolist() == [0.0, 0.0]
 
 
+def test_a_factor_that_fp32_cannot_hold_to_its_precision_is_zero():
+    """Rounded to fp32, as the engines scale with it, a subnormal factor can grow by 1.67×: a
+    gradient C_W/(0.6·2⁻¹⁴⁹) long would contribute 1.67·C_W. It contributes 0 instead."""
+    subnormal = 0.6 * 2.0**-149
+    assert torch.tensor(subnormal, dtype=torch.float64).float().item() == 2.0**-149  # what it would be
+    norms = torch.tensor([[CLIP_MARGIN / subnormal, CLIP_MARGIN / 2.0**-126]], dtype=torch.float64)
+    f = clip_factors(norms, [1.0, 1.0])
+    assert f[0, 0] == 0.0 and f[0, 1] == 2.0**-126  # the smallest normal factor is kept, exactly
+
+
 @pytest.mark.parametrize(
     "mode,rule,other",
     [("per_matrix", "split", "per_tensor"), ("per_matrix", "scalar", "per_tensor"), ("per_matrix", "split", "group"), ("flat", "split", "per_tensor")],

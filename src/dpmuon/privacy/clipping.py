@@ -47,12 +47,15 @@ def clip_factors(block_norms: torch.Tensor, thresholds: Sequence[float]) -> torc
 
     An example whose gradient is not finite in any block gets factor 0 in every block: it
     contributes nothing to the release (the caller must also zero its non-finite entries,
-    since 0·NaN is NaN).
+    since 0·NaN is NaN). A factor below fp32's smallest normal number is 0 in its block: the
+    engines scale in fp32, where it would lose its relative precision (0.6·2⁻¹⁴⁹ rounds to
+    2⁻¹⁴⁹, a contribution of 1.67·C_W) — such a gradient is at least C_W·2¹²⁶ long, and a
+    contribution of 0 is within any bound.
     """
     C = torch.as_tensor(thresholds, dtype=block_norms.dtype, device=block_norms.device) * CLIP_MARGIN
     factors = (C / block_norms.clamp_min(torch.finfo(block_norms.dtype).tiny)).clamp(max=1.0)
     finite = torch.isfinite(block_norms).all(dim=1, keepdim=True)
-    return torch.where(finite, factors, torch.zeros_like(factors))
+    return torch.where(finite & (factors >= torch.finfo(torch.float32).tiny), factors, torch.zeros_like(factors))
 
 
 @dataclass
