@@ -18,9 +18,11 @@ from .settings import CLIP_MODES, OTHER_BLOCKS, THRESHOLD_RULES, default
 # this breaks the bound, measurably (tests/privacy/test_sensitivity_fp.py): fp32 squares of
 # gradient entries below ~1e-19 read as 0 in a norm (an example 2·C_W long is then not clipped at
 # C_W ≈ 3e-20), and flushed products in a book-keeping sum (2·C_W at C_W ≈ 4e-37). From this floor
-# up both stay under half the margin: the squares lose at most n_W·2⁻¹²⁶ of a norm², under
-# 2⁻¹¹·C_W² for blocks of up to 4·10¹⁰ coordinates; flushed products move neighbouring lots' sums by
-# at most 2·√n_W·R·2⁻¹²⁶ for R token rows in a lot, under 2⁻¹¹·C_W while √n_W·R ≤ 2·10²².
+# up, the squares lose at most n_W·2⁻¹²⁶ of a norm², under 2⁻¹¹·C_W² (a norm 2⁻¹²·C_W low: a
+# quarter of the margin) for blocks of up to 4·10¹⁰ coordinates; flushed products move neighbouring
+# lots' sums by at most 2·√n_W·R·2⁻¹²⁶ for R token rows in a lot, under 2⁻¹³·C_W (an eighth) while
+# √n_W·R ≤ 5·10²¹. With the fast engine's TRACE_BOUND (another quarter) that leaves 3/8 of the
+# margin for relative rounding, measured at 1e-7·C_W.
 MIN_THRESHOLD = 1e-12
 
 

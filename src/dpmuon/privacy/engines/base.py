@@ -90,7 +90,8 @@ class PerExampleEngine(ABC):
         """Return (Σ_i c_i,W g_i,W per parameter name in fp32, every row's loss, stats).
 
         Only the rows `example_rows` marks count: the others contribute nothing, their losses are
-        NaN (`example_losses`) and the stats leave them out. Must leave no per-example or non-private gradient behind on the parameters.
+        NaN (`example_losses`) and the stats leave them out. Must leave no per-example or
+        non-private gradient behind on the parameters.
         """
 
     def add_clipped_sum(self, batch: Mapping[str, Any], loss_fn: PerExampleLoss, total: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ClipStats]:

@@ -39,7 +39,8 @@ ScaleOf = Callable[[str], torch.Tensor]
 # gradual underflow), which the other operand multiplies: crafted so that the lost part cancels
 # the rest, an example clipped to C_W = 1e-3 contributed 100·C_W (tests/privacy/
 # test_sensitivity_fp.py). Below the bound that loss is at most 2⁻¹²⁶·√(T·d)·2⁴⁰, under 2⁻¹²·C_W
-# for every C_W ≥ MIN_THRESHOLD while T·d ≤ 2⁶⁸; every product is under 2⁸⁰ and no fp32 sum of
+# (a quarter of the margin; blocks.py budgets the rest) for every C_W ≥ MIN_THRESHOLD while
+# T·d ≤ 2⁶⁸; every product is under 2⁸⁰ and no fp32 sum of
 # fewer than 2⁴⁷ of them overflows (one that did would stop the run, when the example is drawn).
 # Real examples are many orders below it (activations ~10²–10⁴ over T·d entries).
 TRACE_BOUND = 2.0**40
