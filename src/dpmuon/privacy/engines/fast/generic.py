@@ -51,10 +51,12 @@ class PerExampleGradients:
     keep_all: bool = False  # set by the engine; formed gradients cost the same for every row anyway
 
     def without(self, dropped: torch.Tensor) -> PerExampleGradients:
-        """Dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN)."""
+        """Dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN), in place: the formed
+        gradients are the engine's own, and under constant-time lots this runs every micro-batch."""
         out = {}
         for name, g in self.grads.items():
-            out[name] = g.masked_fill(dropped.view(-1, *([1] * (g.dim() - 1))), 0)
+            rows = dropped.view(-1, *([1] * (g.dim() - 1)))
+            out[name] = g.masked_fill_(rows, 0) if g.is_contiguous() else g.masked_fill(rows, 0)
         return PerExampleGradients(out, self.keep_all)
 
     def merged(self, other: PerExampleGradients) -> PerExampleGradients:
