@@ -31,6 +31,7 @@ from .outcomes import (
     Interrupted,
     also_log_to,
     continue_multirun,
+    end_torchrun_worker,
     failed_jobs_summary,
     install_interrupt_handlers,
     output_folder_problem,
@@ -227,6 +228,10 @@ def cli() -> None:
     if failures:
         print(failures, file=sys.stderr)
         sys.exit(1)
+    from .privacy.distributed import launched_by_torchrun  # (imports torch, as a run has already)
+
+    if launched_by_torchrun():
+        end_torchrun_worker()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """How `python -m dpmuon.train` ends when a run does not simply succeed: a diverged run says so
 (non-zero exit, strict JSON), a signal anywhere ends in one line with the resume command, an
-unusable output folder is one line, a multirun runs every job and names the failed ones, and
-train.log holds the driver's [dpmuon] lines."""
+unusable output folder is one line, a multirun runs every job and names the failed ones,
+train.log holds the driver's [dpmuon] lines, and a finished torchrun worker exits 0."""
 
 from __future__ import annotations
 
@@ -139,3 +139,33 @@ def test_a_read_only_output_folder_is_named_before_hydra_starts(tmp_path, monkey
         f"hydra.run.dir={tmp_path}/new/run: {tmp_path} is not writable; pass hydra.run.dir=<a writable folder>"
     )
     assert outcomes.output_folder_problem([f"hydra.run.dir={tmp_path.parent}/x"]) is None
+
+
+# The command line with the job stubbed out, beside an object whose finalization aborts the
+# process: what a gloo thread left running does at a finished worker's exit (outcomes.py).
+ABORTS_AT_FINALIZATION = textwrap.dedent(
+    """
+    import atexit, os, sys
+    from dpmuon import train
+    class Aborts:
+        def __del__(self, abort=os.abort):  # (module globals are gone by then)
+            abort()
+    aborts = Aborts()
+    atexit.register(print, "atexit handlers ran")
+    train.main = lambda: print("the job ran", end=" ")  # unflushed: the end must flush it
+    sys.argv = ["dpmuon.train"]
+    train.cli()
+    """
+)
+
+
+def test_a_finished_torchrun_worker_exits_zero_whatever_finalization_would_do(tmp_path):
+    def finish(env: dict) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", ABORTS_AT_FINALIZATION], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    alone = finish(env)
+    assert alone.returncode == -signal.SIGABRT  # the stand-in does abort a process that is finalized
+    worker = finish({**env, "WORLD_SIZE": "2"})
+    assert worker.returncode == 0, worker.stderr[-2000:]
+    assert worker.stdout == "the job ran atexit handlers ran\n"
