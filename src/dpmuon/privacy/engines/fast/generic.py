@@ -29,7 +29,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .kernels import WeightNormRule
-from .layers import Layer, ScaleOf
+from .layers import Layer, ScaleOf, zero_rows
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,8 @@ class PerExampleGradients:
     keep_all: bool = False  # set by the engine; formed gradients cost the same for every row anyway
 
     def without(self, dropped: torch.Tensor) -> PerExampleGradients:
-        """Dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN), in place: the formed
-        gradients are the engine's own, and under constant-time lots this runs every micro-batch."""
-        out = {}
-        for name, g in self.grads.items():
-            rows = dropped.view(-1, *([1] * (g.dim() - 1)))
-            out[name] = g.masked_fill_(rows, 0) if g.is_contiguous() else g.masked_fill(rows, 0)
-        return PerExampleGradients(out, self.keep_all)
+        """Dropped examples' rows zeroed, in place: the formed gradients are the engine's own."""
+        return PerExampleGradients({name: zero_rows(g, dropped, own=True) for name, g in self.grads.items()}, self.keep_all)
 
     def merged(self, other: PerExampleGradients) -> PerExampleGradients:
         """Both traces' gradients, summed where they name the same (shared) parameter."""

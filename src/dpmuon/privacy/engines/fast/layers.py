@@ -62,6 +62,14 @@ def dropped_where(squared: dict[str, torch.Tensor], beyond: torch.Tensor) -> dic
     return {name: values.masked_fill(beyond, float("inf")) for name, values in squared.items()}
 
 
+def zero_rows(t: torch.Tensor, dropped: torch.Tensor, own: bool) -> torch.Tensor:
+    """`t` with the `dropped` examples' rows zeroed (their factor is 0, but 0·NaN = NaN): in place
+    where `t` is the engine's own (a pass; a copy of an LM head's [B, T, vocabulary] costs a fresh
+    allocation every micro-batch under constant-time lots), in a copy where it may be the caller's."""
+    rows = dropped.view(-1, *([1] * (t.dim() - 1)))
+    return t.masked_fill_(rows, 0) if own and t.is_contiguous() else t.masked_fill(rows, 0)
+
+
 @dataclass
 class Trace:
     """What one hooked module saw in a micro-batch, flattened to [B, positions, features].
@@ -90,16 +98,10 @@ class Trace:
         return self._active
 
     def without(self, dropped: torch.Tensor) -> Trace:
-        """The trace with the dropped examples' rows zeroed (their factor is 0, but 0·NaN = NaN).
-
-        Under constant-time lots this runs for every micro-batch, so it must be cheap: the output
-        gradients are autograd's results, the engine's own, and are zeroed in place (a pass, where a
-        copy of an LM head's [B, T, vocabulary] costs a fresh allocation); the inputs may be the
-        caller's tensors and are copied."""
-        rows = dropped.view(-1, *([1] * (self.grads.dim() - 1)))
-        inputs = self.inputs.masked_fill(rows, 0) if self.inputs.is_floating_point() else self.inputs
-        grads = self.grads.masked_fill_(rows, 0) if self.grads.is_contiguous() else self.grads.masked_fill(rows, 0)
-        return Trace(inputs, grads, keep_all=self.keep_all)
+        """The trace with the dropped examples' rows zeroed: the output gradients (autograd's
+        results, the engine's own) in place, the inputs (maybe the caller's tensors) in a copy."""
+        inputs = zero_rows(self.inputs, dropped, own=False) if self.inputs.is_floating_point() else self.inputs
+        return Trace(inputs, zero_rows(self.grads, dropped, own=True), keep_all=self.keep_all)
 
 
 class Layer(ABC):
