@@ -106,14 +106,16 @@ def test_privatizer_on_the_device_releases_fp32_with_calibrated_noise():
 def test_a_constant_time_release_on_the_device_runs_the_same_operations_whatever_the_lot_holds():
     """tests/privacy/test_constant_work.py on the device, in bf16: the GPU paths of the kernels
     (batched Grams, no row selection) must not branch on the values either."""
-    model = model_on_device(seed=4)
-    privatizer = Privatizer(
-        model, partition_of(model, clip_norm=0.1), noise_multiplier=1.0, expected_lot_size=4, sample_rate=0.1,
-        accountant=PrivacyAccountant(1e-5), noise=GaussianNoise(SecretStream(6)), engine="fast", constant_time=True,
-    )  # fmt: skip
+    partition = partition_of(model_on_device(seed=4), clip_norm=0.1)
+
+    def privatizer():
+        return Privatizer(
+            model_on_device(seed=4), partition, noise_multiplier=1.0, expected_lot_size=4, sample_rate=0.1,
+            accountant=PrivacyAccountant(1e-5), noise=GaussianNoise(SecretStream(6)), engine="fast", constant_time=True,
+        )  # fmt: skip
+
     lots = [{k: v.to(DEVICE) for k, v in lot.items()} for lot in lots_of_one_shape()]
     records = operation_records(privatizer, lots, lambda model, batch: bf16_loss(model, batch) * batch["weight"])
-    privatizer.close()
     assert records[1] == records[0] and records[2] == records[0]
 
 

@@ -10,15 +10,15 @@ from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import NonFiniteReleaseError, PrivacyAccountant, Privatizer, build_engine, build_partition
 
 
-def poisoned(index: int, value: float, added: bool = False):
-    """A per-example loss whose example `index` is multiplied by NaN/inf (so is its gradient),
-    or has NaN/inf added (its gradient stays finite, its loss does not)."""
+def poisoned(example: torch.Tensor, value: float, added: bool = False):
+    """A per-example loss under which the example with these token ids (by what it holds, as data
+    makes one) is multiplied by NaN/inf (so is its gradient), or has NaN/inf added (its gradient
+    stays finite, its loss does not)."""
 
     def loss_fn(model, batch):
         losses = per_example_lm_loss(model, batch)
-        poison = torch.zeros_like(losses) if added else torch.ones_like(losses)
-        poison[index] = value
-        return losses + poison if added else losses * poison
+        hit = (batch["input_ids"] == example).all(1)
+        return losses + torch.where(hit, value, 0.0) if added else losses * torch.where(hit, value, 1.0)
 
     return loss_fn
 
@@ -30,7 +30,7 @@ def test_nonfinite_example_contributes_zero_and_is_counted(engine_name, value, a
     partition = build_partition([n for n, _ in model.named_parameters()], clip_norm=0.5, matrix_names=hidden_matrices(model))
     engine = build_engine(engine_name, model, partition)
     batch = token_batch(5, seed=2)
-    summed, losses, stats = engine.clipped_sum(batch, poisoned(2, value, added))
+    summed, losses, stats = engine.clipped_sum(batch, poisoned(batch["input_ids"][2], value, added))
     clean = {k: torch.cat([v[:2], v[3:]]) for k, v in batch.items()}
     expected, _, clean_stats = engine.clipped_sum(clean, per_example_lm_loss)
     assert stats.nonfinite == 1 and clean_stats.nonfinite == 0

@@ -2,7 +2,8 @@
 behaviour before anything is released or charged (the privatizer calls these; driver, façade and
 DPTrainer all release through it).
 
-- `check_first_micro_batch` (the first micro-batch of a privatizer's first release): `loss_fn`
+- `check_first_micro_batch` (a public stand-in of the first micro-batch of a privatizer's first
+  release, `public_stand_in`: the check must not depend on the lot's values): `loss_fn`
   returns one finite-somewhere loss per row, shape [B]; no module holding trainable parameters is
   computed once and broadcast over the rows; no example's loss depends on another example,
   neither through the gradient (a module or the loss mixing rows: batch-norm statistics, a mean
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_map
 
 from ..errors import UserError
 
@@ -166,6 +168,26 @@ def check_first_micro_batch(model: nn.Module, batch: Any, loss_fn: LossFn) -> bo
         del losses, calls  # free the traced graph before the value probes
         _refuse_value_coupling(model, probe, size, loss_fn, name, RTOL_HALF if half else RTOL_FLOAT32)
     return True
+
+
+def public_stand_in(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """`batch` with every tensor, nested ones too, replaced by public values of its shape and
+    dtype from a fixed seed: integers 0 or 1 (valid token ids, labels and masks for any
+    vocabulary), floats in [0.5, 1.5), booleans True (every row a real example). The one-off
+    checks of a release run on it, not on the lot: computed from no data, nothing they do (which
+    rows they select, whether they pass) depends on the lot's values, a timing channel constant-
+    time lots would otherwise leave open; its rows differ, so a module or loss that mixes examples
+    still shows. (Values that are not tensors pass through.)"""
+    generator = torch.Generator().manual_seed(0)
+
+    def stand_in(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_complex():
+            return torch.ones_like(value) if isinstance(value, torch.Tensor) else value
+        drawn = torch.rand(value.shape, generator=generator, dtype=torch.float64)
+        drawn = drawn + 0.5 if value.is_floating_point() else (drawn < 0.5)
+        return drawn.to(dtype=value.dtype, device=value.device)
+
+    return tree_map(stand_in, dict(batch))
 
 
 def _rng_kept(model: nn.Module):

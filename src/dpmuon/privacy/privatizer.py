@@ -23,7 +23,7 @@ from torch.profiler import record_function
 
 from .accountant import NullAccountant, PrivacyAccountant
 from .blocks import BlockPartition
-from .conformance import StateGuard, check_first_micro_batch
+from .conformance import StateGuard, check_first_micro_batch, public_stand_in
 from .distributed import SINGLE, DataParallel
 from .engines import PerExampleLoss, build_engine
 from .ledger import PrivacyLedger, release_digest
@@ -241,14 +241,15 @@ class Privatizer:
             return self._sum_clipped(micro_batches, loss_fn)
 
     def _sum_clipped(self, micro_batches: Iterable[Mapping[str, Any]], loss_fn: PerExampleLoss) -> tuple[dict[str, torch.Tensor], ReleaseStats]:
-        """The lot's clipped sum (float64) and statistics; the first micro-batch with rows is first
-        checked for a per-example loss that does not couple the examples (once per privatizer)."""
+        """The lot's clipped sum (float64) and statistics; a public stand-in of the first micro-batch
+        with rows is first checked for a per-example loss that does not couple the examples (once
+        per privatizer)."""
         summed: dict[str, torch.Tensor] = {}
         stats = ReleaseStats(clipped=torch.zeros(len(self.partition), dtype=torch.long))
         for batch in micro_batches:
             if not self.conformance_checked:
                 with record_function("dpmuon.conformance"):
-                    self.conformance_checked = check_first_micro_batch(self.model, batch, loss_fn)
+                    self.conformance_checked = check_first_micro_batch(self.model, public_stand_in(batch), loss_fn)
             losses, clip = self._engine.add_clipped_sum(batch, loss_fn, summed)
             finite = torch.isfinite(losses)  # filler rows' losses are NaN
             stats.lot_size += clip.examples

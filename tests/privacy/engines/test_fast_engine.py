@@ -87,15 +87,15 @@ def test_mixed_rule_picks_the_cheaper_form():
         FastEngine(tiny_gpt2(), partition_for(tiny_gpt2(), 1.0), weight_norms="fastest")
 
 
-def nan_for_example(index: int, gradient: bool):
-    """A loss function whose example `index` has a NaN loss: its gradients are NaN everywhere
-    (`gradient`), or finite (NaN added to the loss, whose derivative is still 1)."""
+def nan_for_example(example: torch.Tensor, gradient: bool):
+    """A loss function under which the example with these token ids has a NaN loss (by what it
+    holds, as data makes one): its gradients are NaN everywhere (`gradient`), or finite (NaN added
+    to the loss, whose derivative is still 1)."""
 
     def loss_fn(model, batch):
         losses = per_example_lm_loss(model, batch)
-        poison = torch.full_like(losses, 1.0 if gradient else 0.0)
-        poison[index] = float("nan")
-        return losses * poison if gradient else losses + poison
+        hit = (batch["input_ids"] == example).all(1)
+        return losses * torch.where(hit, float("nan"), 1.0) if gradient else losses + torch.where(hit, float("nan"), 0.0)
 
     return loss_fn
 
@@ -112,7 +112,7 @@ def test_nonfinite_example_contributes_nothing(tie, rule, gradient):
     partition = partition_for(model, 0.05)
     batch = token_batch(5, seed=5)
     engine = FastEngine(model, partition, weight_norms=rule)
-    summed, losses, stats = engine.clipped_sum(batch, nan_for_example(2, gradient))
+    summed, losses, stats = engine.clipped_sum(batch, nan_for_example(batch["input_ids"][2], gradient))
     expected, _, clean_stats = engine.clipped_sum(without_example(batch, 2), per_example_lm_loss)
     assert stats.nonfinite == 1 and stats.examples == 5
     assert torch.isnan(losses[2]) and torch.isfinite(losses[[0, 1, 3, 4]]).all()

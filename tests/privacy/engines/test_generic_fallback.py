@@ -248,3 +248,17 @@ def test_a_parameter_used_outside_its_modules_calls_is_refused_on_the_first_micr
     engine = FastEngine(tied, everything(tied))
     engine.clipped_sum(BATCH, loss_fn)
     assert engine.uses_checked
+
+
+def test_the_use_check_cannot_be_passed_by_a_first_micro_batch_without_gradient():
+    """The check runs on a public stand-in of the first micro-batch, not on its rows: a first
+    micro-batch whose losses all weigh 0 (filler rows without labels, as a constant-time lot
+    with few examples has) gives zero gradients on both sides, which would pass it for good."""
+
+    def weighted(model, batch):
+        return loss_fn(model, batch) * batch["weight"]
+
+    model = OutsideUse()
+    engine = FastEngine(model, everything(model))
+    with pytest.raises(ValueError, match="do not add up to its batch gradient"):
+        engine.clipped_sum(BATCH | {"weight": torch.zeros(4)}, weighted)

@@ -25,8 +25,9 @@ the cross term between the two parts (see `kernels.tied_cross_term`).
 A trainable module no rule knows takes the generic rule (`generic`, `privacy.engine_fallback=
 generic`, the default): its per-example gradients formed by torch.func from what it saw — exact,
 at the cost of those gradients — or, under `engine_fallback=error`, stops the engine naming it.
-On its first micro-batch the engine checks that the rules' Σ_i g_i equals autograd's batch
-gradient: a parameter used outside its module's calls, which no hook sees, is refused.
+Once, on a public stand-in of its first micro-batch (so that the check's work and outcome do not
+depend on the lot), the engine checks that the rules' Σ_i g_i equals autograd's batch gradient:
+a parameter used outside its module's calls, which no hook sees, is refused.
 
 Precision: a norm that comes out low lets a clipped contribution exceed C_W. Formulas that
 cancel run in float64 (inputs and output gradients convert exactly). The ghost form adds up T²

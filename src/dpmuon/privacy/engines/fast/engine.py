@@ -16,6 +16,7 @@ from torch.profiler import record_function
 
 from ...blocks import BlockPartition
 from ...clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
+from ...conformance import public_stand_in
 from ...settings import ENGINE_FALLBACKS
 from ..base import PerExampleEngine, PerExampleLoss, add_to_lot_total, example_losses, example_rows, full_precision, register_engine
 from .generic import GenericLayer, PerExampleGradients
@@ -303,20 +304,36 @@ class FastEngine(PerExampleEngine):
     ) -> tuple[torch.Tensor, ClipStats]:
         """One forward and backward, then the clipped sums into `summed`; `booked(names)` is called
         with the parameters whose sums are complete, module by module."""
-        losses, calls, used = self._forward(batch, loss_fn)
+        if not self.uses_checked:
+            self._check_uses(public_stand_in(batch), loss_fn)
+        losses, calls, _ = self._forward(batch, loss_fn)
         examples = example_rows(batch, losses.shape[0], losses.device)
-        # Under autocast or with half-precision weights, the batch gradient is rounded coarsely.
-        coarse = torch.is_autocast_enabled(losses.device.type) or any(p.dtype in (torch.float16, torch.bfloat16) for p in self.params.values())
         with full_precision(losses.device):
-            batch_grads = self._batch_gradients(losses, used) if not self.uses_checked and losses.requires_grad else None
             traces = self._backward(losses, calls)
-            if batch_grads is not None:
-                self._check_every_use_is_seen(traces, batch_grads, losses.shape[0], coarse=coarse)
             return self._clip_and_sum(traces, losses.detach(), examples, booked, summed)
 
     # -- the first micro-batch's check -------------------------------------------------------
 
     uses_checked = False  # set once the rules' sums have matched autograd's batch gradient
+
+    def _check_uses(self, stand_in: Mapping[str, Any], loss_fn: PerExampleLoss) -> None:
+        """`_check_every_use_is_seen` on a public stand-in of the first micro-batch, not on the
+        micro-batch itself: a check that had to wait for a micro-batch without a non-finite
+        example would run an extra backward at a time set by the data (a timing channel under
+        constant-time lots), and one run on filler rows alone would pass on zero gradients. The
+        run's random streams (dropout) are left as they were."""
+        device = next(iter(self.params.values())).device
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+            losses, calls, used = self._forward(stand_in, loss_fn)
+            if not losses.requires_grad:  # no parameter takes part: no use to miss
+                self.uses_checked = True
+                return
+            # Under autocast or with half-precision weights, the batch gradient is rounded coarsely.
+            coarse = torch.is_autocast_enabled(device.type) or any(p.dtype in (torch.float16, torch.bfloat16) for p in self.params.values())
+            with full_precision(losses.device):
+                batch_grads = self._batch_gradients(losses, used)
+                traces = self._backward(losses, calls)
+                self._check_every_use_is_seen(traces, batch_grads, losses.shape[0], coarse=coarse)
 
     def _batch_gradients(self, losses: torch.Tensor, used: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Autograd's (non-private) batch gradient, once, to check the rules against; never released.
@@ -338,10 +355,14 @@ class FastEngine(PerExampleEngine):
         """Refuse a model whose rules' unclipped sums Σ_i g_i miss part of a parameter's batch
         gradient: a parameter used outside the calls of the module holding it (a parent's
         `F.linear(h, embedding.weight)`) has a use no hook sees, so its norms would come out low.
-        Checked on the first micro-batch, to 1% (10% when `coarse`: a missed use is typically a
-        large part of the gradient; the tolerance only absorbs rounding, TF32 matmuls included)."""
+        Checked once, to 1% (10% when `coarse`: a missed use is typically a large part of the
+        gradient; the tolerance only absorbs rounding, TF32 matmuls included)."""
         if not all(bool(torch.isfinite(g).all()) for g in batch_grads.values()):
-            return  # a non-finite example's gradient is dropped anyway: check on a later micro-batch
+            raise ValueError(
+                "the fast engine's check that every use of a parameter is seen ran the model on a public stand-in of the first "
+                "micro-batch (its shapes; every integer and boolean entry 1, every float 1.0), and the model's gradient came out "
+                "non-finite: the model cannot be checked. Check the model's forward on such a batch"
+            )
         sums: dict[str, torch.Tensor] = {}
         device = next(iter(batch_grads.values())).device
         ones = torch.ones(size, dtype=torch.float32, device=device)

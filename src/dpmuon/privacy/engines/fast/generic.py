@@ -13,8 +13,9 @@ What it cannot do exactly, it refuses, naming the module:
 - randomness in the forward (dropout inside the module): a second draw would not be the first
   (vmap refuses random operations);
 - a forward that mixes examples, or an argument whose first dimension only looks like the
-  batch: on the first micro-batch, each call's per-example gradients must add up to the batch
-  gradient of the same call, else the engine refuses rather than release a wrong clipping.
+  batch: on the engine's public stand-in of the first micro-batch, each call's per-example
+  gradients must add up to the batch gradient of the same call, else the engine refuses rather
+  than release a wrong clipping.
 """
 
 from __future__ import annotations
