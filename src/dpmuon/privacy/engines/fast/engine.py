@@ -360,8 +360,8 @@ class FastEngine(PerExampleEngine):
         if not all(bool(torch.isfinite(g).all()) for g in batch_grads.values()):
             raise ValueError(
                 "the fast engine's check that every use of a parameter is seen ran the model on a public stand-in of the first "
-                "micro-batch (its shapes; every integer and boolean entry 1, every float 1.0), and the model's gradient came out "
-                "non-finite: the model cannot be checked. Check the model's forward on such a batch"
+                "micro-batch (its shapes; integers 0 or 1, floats in [0.5, 1.5), booleans True: conformance.public_stand_in), and "
+                "the model's gradient came out non-finite, so the model cannot be checked; check its forward on such a batch"
             )
         sums: dict[str, torch.Tensor] = {}
         device = next(iter(batch_grads.values())).device
