@@ -122,6 +122,18 @@ def test_nonfinite_example_contributes_nothing(tie, rule, gradient):
         assert torch.allclose(summed[name], expected[name], atol=ATOL, rtol=RTOL), name
 
 
+def test_a_model_whose_gradient_is_not_finite_on_the_public_stand_in_is_refused():
+    """The use check runs on public values, so a NaN it meets comes from the code, not a lot."""
+    model = tiny_gpt2()
+
+    def nan_first_row(model, batch):  # by position: no example's values make it
+        losses = per_example_lm_loss(model, batch)
+        return losses * torch.where(torch.arange(len(losses)) == 0, float("nan"), 1.0)
+
+    with pytest.raises(ValueError, match="so the model cannot be checked"):
+        FastEngine(model, partition_for(model, 0.05)).clipped_sum(token_batch(3, seed=1), nan_first_row)
+
+
 def test_nonfinite_activation_contributes_nothing():
     """NaN inside the network (not only in the loss): the example's activations are NaN too."""
     model = tiny_gpt2(tie=True)
