@@ -43,6 +43,7 @@ HOST_ON_PURPOSE = {
     ("privacy/privatizer.py", "_sum_clipped"): "per-block clip counts: host-side diagnostics, added to ClipStats' .cpu() counts",
     ("privacy/privatizer.py", "release"): "the non-private release's empty clip counts: host-side diagnostics",
     ("data/collate.py", "_padded"): "batches are padded on the host; callers move them to the model's device",
+    ("privacy/conformance.py", "stand_in"): "the public stand-in batch is drawn by one CPU generator (the same values on every device), then moved",
 }
 
 ADAM = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
