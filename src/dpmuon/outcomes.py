@@ -1,7 +1,7 @@
 """How a `python -m dpmuon.train` process ends when it does not simply succeed: interrupted
 (one line, the resume command where there is one, exit 128 + signal), refused before Hydra
 makes an output folder it cannot make, or a multirun whose jobs failed (all jobs still run,
-then one summary and a non-zero exit), or a torchrun worker that finished (`end_torchrun_worker`)."""
+then one summary and a non-zero exit), or a finished process that took part in a process group (`end_distributed_process`)."""
 
 from __future__ import annotations
 
@@ -152,15 +152,16 @@ def failed_jobs_summary() -> str | None:
     return f"error: {len(FAILED)} job(s) of the multirun failed:\n" + "\n".join(lines)
 
 
-def end_torchrun_worker() -> None:
-    """End a torchrun worker whose run is done, skipping the interpreter's finalization.
+def end_distributed_process() -> None:
+    """End a process that took part in a gloo process group, its work done, skipping the
+    interpreter's finalization (a torchrun worker of the driver; the tests' spawned ranks).
 
     FSDP2's collectives keep gloo's worker threads alive after `destroy_process_group` (torch
     2.13, measured: `pt_gloo_runloop` and `gloo_tcp_loop` threads still run at exit, held from
     C++ after every Python object is gone; DDP's plain collectives leave none). A process
     finalized beside them can abort ("terminate called without an active exception", SIGABRT)
     after its run has written everything, and torchrun then reports the finished run as failed
-    (seen once in CI, on rank 1 of a resumed FSDP run). The atexit handlers (logging's flush,
+    (seen in CI: rank 1 of a resumed FSDP run, a spawned rank after DTensor work). The atexit handlers (logging's flush,
     W&B's) still run, while the interpreter is whole; then the process ends with status 0."""
     atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -31,7 +31,7 @@ from .outcomes import (
     Interrupted,
     also_log_to,
     continue_multirun,
-    end_torchrun_worker,
+    end_distributed_process,
     failed_jobs_summary,
     install_interrupt_handlers,
     output_folder_problem,
@@ -231,7 +231,7 @@ def cli() -> None:
     from .privacy.distributed import launched_by_torchrun  # (imports torch, as a run has already)
 
     if launched_by_torchrun():
-        end_torchrun_worker()
+        end_distributed_process()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from torch import nn
 
 from dpmuon.optim.newton_schulz import newton_schulz
 from dpmuon.optim.sharded import orthogonalize_row_shards, owners
+from dpmuon.outcomes import end_distributed_process
 from dpmuon.row_shards import row_range
 
 SHAPES = [(5, 7), (64, 32), (3, 9), (1, 4), (8, 8)]  # odd row counts, and one with a rank holding no row
@@ -45,6 +46,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
             json.dump({"local_rows": local_rows, "calls": calls}, f)
     finally:
         dist.destroy_process_group()
+    end_distributed_process()  # (on success only: a raised error still reaches mp.spawn)
 
 
 def test_each_rank_gets_its_rows_of_the_whole_matrix_update_computed_once(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dpmuon.outcomes import end_distributed_process
 from dpmuon.privacy.sharded import reduce_rows_in_rank_order
 
 ROWS = (7, 1, 4)  # with 3 ranks: 3 rows a rank, a matrix rank 1 and 2 hold no row of, and 2 rows a rank
@@ -22,3 +23,4 @@ def worker(rank: int, init_file: str, out: str, world: int) -> None:
         torch.save([reduce_rows_in_rank_order(rank_total(m, rank), world, rank) for m in ROWS], f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    end_distributed_process()

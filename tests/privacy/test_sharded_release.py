@@ -12,6 +12,7 @@ from conftest import tiny_gpt2, token_batch
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.optim import AdamSettings, MuonBCSettings, MuonSettings, OptimizerInputs
 from dpmuon.optim import muon as muon_module
+from dpmuon.outcomes import end_distributed_process
 from dpmuon.privacy import DataParallel, GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, build_partition
 from dpmuon.privacy.ledger import PrivacyLedger
 from dpmuon.privacy.sharded import RankFailedError
@@ -71,6 +72,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    end_distributed_process()
 
 
 def single_process_release() -> dict:
@@ -196,6 +198,7 @@ def _steps_worker(rank: int, init_file: str, out: str) -> None:
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    end_distributed_process()
 
 
 def single_process_steps(name: str) -> list[dict]:

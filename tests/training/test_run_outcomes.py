@@ -142,7 +142,7 @@ def test_a_read_only_output_folder_is_named_before_hydra_starts(tmp_path, monkey
 
 
 # The command line with the job stubbed out, beside an object whose finalization aborts the
-# process: what a gloo thread left running does at a finished worker's exit (outcomes.py).
+# process: what a gloo thread left running does at a finished worker's exit (outcomes.end_distributed_process).
 ABORTS_AT_FINALIZATION = textwrap.dedent(
     """
     import atexit, os, sys

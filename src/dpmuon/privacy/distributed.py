@@ -49,7 +49,7 @@ class DataParallel:
     def leave(self) -> None:
         """Destroy the process group: a gloo rank that exits with it alive can abort at interpreter
         shutdown (its worker threads outlive Python), failing a run that had finished. Under FSDP2
-        the threads outlive this too; `outcomes.end_torchrun_worker` ends such a process."""
+        the threads outlive this too; `outcomes.end_distributed_process` ends such a process."""
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
