@@ -154,7 +154,7 @@ def check_first_micro_batch(model: nn.Module, batch: Any, loss_fn: LossFn) -> bo
         return False
     name = loss_name(loss_fn)
     probe, size = (batch, rows) if rows >= 2 else (select_rows(batch, [0, 0], rows), 2)
-    with _rng_kept(model):
+    with rng_kept(model):
         with torch.enable_grad(), _traced(model) as calls:
             losses = loss_fn(model, probe)
         check_losses(losses, size, name)
@@ -190,7 +190,7 @@ def public_stand_in(batch: Mapping[str, Any]) -> dict[str, Any]:
     return tree_map(stand_in, dict(batch))
 
 
-def _rng_kept(model: nn.Module):
+def rng_kept(model: nn.Module):
     """The global RNG streams (dropout's) as they were before the check: a resumed run, which checks
     its first release again, then draws the same dropout masks as one never interrupted."""
     devices = sorted({p.device for p in model.parameters() if p.device.type != "cpu"}, key=str)
@@ -345,7 +345,7 @@ def check_user_code(model: nn.Module, loss_fn: LossFn, collated: Callable[[list[
         check_first_micro_batch(model, collated(list(range(count))), loss_fn)
         if count < 2:  # one example a micro-batch: nothing else shares it
             return
-        with _rng_kept(model), torch.no_grad(), _eval_mode(model):
+        with rng_kept(model), torch.no_grad(), _eval_mode(model):
             whole = loss_fn(model, collated(list(range(count)))).detach().double()
             for rows in (list(range(half)), list(range(half, count))):
                 again = loss_fn(model, collated(rows))

@@ -16,7 +16,7 @@ from torch.profiler import record_function
 
 from ...blocks import BlockPartition
 from ...clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
-from ...conformance import public_stand_in
+from ...conformance import public_stand_in, rng_kept
 from ...settings import ENGINE_FALLBACKS
 from ..base import PerExampleEngine, PerExampleLoss, add_to_lot_total, example_losses, example_rows, full_precision, register_engine
 from .generic import GenericLayer, PerExampleGradients
@@ -323,7 +323,7 @@ class FastEngine(PerExampleEngine):
         constant-time lots), and one run on filler rows alone would pass on zero gradients. The
         run's random streams (dropout) are left as they were."""
         device = next(iter(self.params.values())).device
-        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+        with rng_kept(self.model):
             losses, calls, used = self._forward(stand_in, loss_fn)
             if not losses.requires_grad:  # no parameter takes part: no use to miss
                 self.uses_checked = True
