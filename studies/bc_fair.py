@@ -28,6 +28,12 @@ previous one's published results:
    epochs (σ recalibrated for ε = 8 over that plan), seeds 2–4. The norm-matched arm has
    DP-Muon's step lengths and AdamW rate, so against DP-Muon it isolates the correction's
    direction, and against DP-MuonBC the rates.
+5. horizon_rates (issue 39's add-on, judged by the rule in HORIZON_RATES_PREREGISTRATION, which
+   the runner needs before it starts one): the horizon's rates were tuned at 100 steps, and the
+   norm-matched arm's late lead over DP-Muon may be what a slower rate gives DP-Muon too. So
+   DP-Muon over the horizon at its best rate × 2^(−k/4), k in SLOWER_STEPS (both parts, as
+   tuning shares them), and DP-MuonBC with split rates over the horizon (its AdamW part's slower
+   rate, alone), seeds 2–4. Paired with the horizon's runs of the same seed.
 
 Runs of one seed index share one mechanism seed (the same lots and noise for every optimizer: a
 paired comparison), drawn once from OS entropy. The study spans many working sessions, and a
@@ -58,7 +64,7 @@ from .bc_regime import MechanismSeeds, publish_public_model
 from .jobs import REPO, Job, run_jobs
 
 RATES = tuple(0.005 * 2 ** (k / 2) for k in range(5))  # 0.005 … 0.02: √2 apart around the committed 0.01
-STAGES = ("tune", "finals", "variants", "horizon")
+STAGES = ("tune", "finals", "variants", "horizon", "horizon_rates")
 SEEDS_TUNE = (0, 1)
 # The finals, variants and horizon run on seed indices that tuning did not use: the same mechanism
 # seed is the same lots and noise, so on seeds 0–1 the finals would repeat the runs that picked
@@ -67,6 +73,8 @@ SEEDS = (2, 3, 4)
 PUBLIC_MODEL = REPO / "models" / "public-for-e2e"
 SEEDS_FILE = "mechanism_seeds.json"  # published: see the module's docstring
 HORIZON_EPOCHS = 3  # ≈ 493 steps at lot 256 on E2E's 42,061 examples
+SLOWER_STEPS = (1, 2)  # horizon_rates: DP-Muon at its best rate × 2^(−k/4) (0.0042 and 0.0035 for 0.005)
+HORIZON_RATES_PREREGISTRATION = "horizon_rates_preregistration.md"
 # name → the optimizer's overrides; the tuned contenders
 CONTENDERS = {
     "dp_muon": ("optimizer=dp_muon",),
@@ -134,6 +142,11 @@ def tuning_grid(results: Path, contender: str) -> tuple[list[float], float | Non
             return rates, best
 
 
+def slower_muon_rates(best_muon: float) -> list[float]:
+    """horizon_rates' DP-Muon rates below its best (see the docstring)."""
+    return [best_muon * 2 ** (-k / 4) for k in SLOWER_STEPS]
+
+
 def jobs(results: Path, mechanism_seed) -> list[Job]:
     """The runs of every stage whose inputs are published; seed-major within a stage."""
     grids = {contender: tuning_grid(results, contender) for contender in CONTENDERS}
@@ -170,6 +183,12 @@ def jobs(results: Path, mechanism_seed) -> list[Job]:
     for seed in SEEDS:
         for contender in CONTENDERS:
             out.append(Job(f"{contender}_seed{seed}", "horizon", after_tuning(contender, seed, *horizon), mechanism_seed(seed)))
+    for seed in SEEDS:
+        secret = mechanism_seed(seed)
+        for lr in slower_muon_rates(best["dp_muon"]):
+            out.append(Job(tune_name("dp_muon", lr, seed), "horizon_rates", overrides("dp_muon", lr, seed, *horizon, PUBLISH_DIAGNOSTICS), secret))
+        split = overrides("dp_muonbc", best["dp_muonbc"], seed, *horizon, PUBLISH_DIAGNOSTICS, adam_lr=best["dp_muon"])
+        out.append(Job(f"dp_muonbc_split_seed{seed}", "horizon_rates", split, secret))
     return out
 
 
@@ -238,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.stage not in ("all", *(job.stage for job in todo)):
                 raise SystemExit(f"--stage {args.stage}: the stages before it are not all published yet (see: python -m studies.bc_fair list)")
             return 0
+        if any(job.stage == "horizon_rates" for job in pending) and not (args.results / HORIZON_RATES_PREREGISTRATION).exists():
+            raise SystemExit(f"{args.results / HORIZON_RATES_PREREGISTRATION} is missing: horizon_rates' decision rule is committed before its first run")
         print(f"bc_fair: {len(pending)} runs to do, {args.jobs} at a time", flush=True)
         run_jobs(pending, args.work, args.results, threads=1, parallel=args.jobs)
         # A job another runner holds is skipped, not published: without this check a runner

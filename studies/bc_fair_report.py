@@ -28,7 +28,7 @@ from scipy import stats  # noqa: E402
 from dpmuon.eval import SUMMARY_FILE, Run, read_summary  # noqa: E402
 from dpmuon.privacy import USER_SEED  # noqa: E402
 
-from .bc_fair import CONTENDERS, HORIZON_EPOCHS, SEEDS, SEEDS_FILE, VARIANTS, tuning_grid  # noqa: E402
+from .bc_fair import CONTENDERS, HORIZON_EPOCHS, HORIZON_RATES_PREREGISTRATION, SEEDS, SEEDS_FILE, VARIANTS, slower_muon_rates, tune_name, tuning_grid  # noqa: E402
 from .bc_regime_report import gain_figure  # noqa: E402
 from .jobs import REPO  # noqa: E402
 
@@ -50,15 +50,21 @@ def load(root: Path, stage: str) -> dict[str, Run]:
     return {p.parent.name: Run(p.parent, read_summary(p)) for p in sorted((root / stage).glob(f"*/{SUMMARY_FILE}"))}
 
 
+def t_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% t-interval of the mean, over at least two values."""
+    half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    mean = statistics.mean(values)
+    return mean, mean - half, mean + half
+
+
 def mean_ci(values: list[float]) -> str:
     """mean [95% t-interval] (n); one value has no interval."""
     if not values:
         return NOT_RUN
     if len(values) == 1:
         return f"{values[0]:+.4f} (n = 1)"
-    half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    mean = statistics.mean(values)
-    return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] (n = {len(values)})"
+    mean, low, high = t_interval(values)
+    return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] (n = {len(values)})"
 
 
 def paired_by_seed(runs: dict[str, Run], bc: str, muon: str, key: str = "test_nll") -> dict[int, float]:
@@ -257,6 +263,81 @@ def horizon_markdown(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# horizon_rates' reading (horizon_rates_preregistration.md): Δ validation NLL at a pair's last
+# evaluation, and averaged over its evaluations from LATE_FROM on.
+LATE_FROM = 250
+
+
+def validation_deltas(runs: dict[str, Run], a: str, b: str) -> tuple[list[float], list[float]]:
+    """Per seed with both curves: (Δ at their last common evaluation, mean Δ over evaluations ≥ LATE_FROM)."""
+    last, late = [], []
+    for seed in SEEDS:
+        pair = [runs.get(f"{name}_seed{seed}") for name in (a, b)]
+        if None in pair:
+            continue
+        va, vb = ({r["step"]: r["val_nll"] for r in run.load_metrics() if r.get("val_nll") is not None} for run in pair)
+        steps = sorted(set(va) & set(vb))
+        if steps:
+            last.append(va[steps[-1]] - vb[steps[-1]])
+            late.append(statistics.mean(va[s] - vb[s] for s in steps if s >= LATE_FROM) if steps[-1] >= LATE_FROM else math.nan)
+    return last, [v for v in late if math.isfinite(v)]
+
+
+def horizon_rates_rows(root: Path) -> tuple[dict[str, Run], list[tuple[str, str, str]]]:
+    """The horizon's and horizon_rates' runs together, and the add-on's comparisons (what, a, b: a − b)."""
+    best = tuning_grid(root, "dp_muon")[1]
+    runs = {**load(root, "horizon"), **load(root, "horizon_rates")}
+    if best is None:
+        return runs, []
+    slower = [(f"{lr:.4g}", tune_name("dp_muon", lr, 0).rsplit("_seed", 1)[0]) for lr in slower_muon_rates(best)]
+    rows = [(f"DP-MuonBC (match_norm) − DP-Muon at {best:.4g}", "dp_muonbc_matched", "dp_muon")]
+    rows += [(f"DP-MuonBC (match_norm) − DP-Muon at {rate}", "dp_muonbc_matched", name) for rate, name in slower]
+    rows += [(f"DP-Muon at {rate} − DP-Muon at {best:.4g}", name, "dp_muon") for rate, name in slower]
+    rows += [(f"DP-MuonBC − DP-Muon at {slower[-1][0]}", "dp_muonbc", slower[-1][1]),
+             ("DP-MuonBC − DP-MuonBC (split rates)", "dp_muonbc", "dp_muonbc_split"),
+             ("DP-MuonBC (split rates) − DP-Muon", "dp_muonbc_split", "dp_muon")]  # fmt: skip
+    return runs, rows
+
+
+def h3(root: Path) -> str:
+    """H3, the norm-matched arm's late lead is the correction's direction, by the pre-registered rule
+    (validation NLL at the last evaluation): the direction if it beats DP-Muon at every rate tried,
+    a rate effect if DP-Muon at a slower rate does at least as well on average."""
+    runs, rows = horizon_rates_rows(root)
+    against = [validation_deltas(runs, a, b)[0] for what, a, b in rows if what.startswith("DP-MuonBC (match_norm) − DP-Muon")]
+    if not against or min(len(deltas) for deltas in against) < len(SEEDS):
+        return "waiting for the runs"
+    if any(statistics.mean(deltas) >= 0 for deltas in against[1:]):
+        return "a rate effect: DP-Muon at a slower rate does at least as well as the norm-matched arm"
+    if all(t_interval(deltas)[2] < 0 for deltas in against):
+        return "the correction's direction: the norm-matched arm beats DP-Muon at every rate tried"
+    return "unresolved"
+
+
+def h4(root: Path) -> str:
+    """H4, DP-MuonBC's slower AdamW part is part of its late lead: DP-MuonBC − its split-rate run at the last evaluation."""
+    runs, _ = horizon_rates_rows(root)
+    deltas = validation_deltas(runs, "dp_muonbc", "dp_muonbc_split")[0]
+    if len(deltas) < len(SEEDS):
+        return "waiting for the runs"
+    _, low, high = t_interval(deltas)
+    return "supported: the slower AdamW part helps late" if high < 0 else "reversed: it hurts late" if low > 0 else "unresolved"
+
+
+def horizon_rates_markdown(root: Path) -> str:
+    runs, rows = horizon_rates_rows(root)
+    lines = [f"## Slower rates over the horizon (issue 39's add-on; rule in `{HORIZON_RATES_PREREGISTRATION}`)", "",
+             f"Paired Δ (a − b, same seed), mean [95% t-interval]: validation NLL at the pair's last evaluation and averaged over "
+             f"its evaluations from step {LATE_FROM} on; test NLL and BLEU.", "",
+             f"| comparison | Δ val NLL, last | Δ val NLL, steps ≥ {LATE_FROM} | Δ test NLL | Δ BLEU |", "|---|---|---|---|---|"]  # fmt: skip
+    for what, a, b in rows:
+        last, late = validation_deltas(runs, a, b)
+        lines.append(f"| {what} | {mean_ci(last)} | {mean_ci(late)} | {mean_ci(paired(runs, a, b))} | {mean_ci(paired(runs, a, b, 'bleu'))} |")
+    lines += ["", f"- H3, the norm-matched arm's late lead is the correction's direction: **{h3(root)}**",
+              f"- H4, DP-MuonBC's slower AdamW part is part of its late lead: **{h4(root)}**"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def delta_figure(root: Path, path: Path) -> None:
     finals, variants, horizon = load(root, "finals"), load(root, "variants"), load(root, "horizon")
     panels = [("each at its best rate", finals, "dp_muonbc", "dp_muon"), ("match_norm", finals, "dp_muonbc_matched", "dp_muon"),
@@ -319,7 +400,14 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
         f"{published_seeds_note(root)}\n\n"
     )
     finals = load(root, "finals")
-    sections = (tuning_markdown(root), comparisons_markdown(root), gap_changes_markdown(root), horizon_markdown(root), oracle_markdown(finals))
+    sections = (
+        tuning_markdown(root),
+        comparisons_markdown(root),
+        gap_changes_markdown(root),
+        horizon_markdown(root),
+        horizon_rates_markdown(root),
+        oracle_markdown(finals),
+    )
     table.write_text(header + "\n".join(sections))
     delta_figure(root, figure)
     alignment_figure(finals, alignment)

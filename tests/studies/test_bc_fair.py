@@ -12,11 +12,26 @@ from pathlib import Path
 import pytest
 from helpers_runs import table_rows, write_run
 
-from studies.bc_fair import CONTENDERS, PUBLISH_DIAGNOSTICS, RATES, SEEDS, SEEDS_TUNE, jobs, tune_name, tuning_grid
+from studies.bc_fair import (
+    CONTENDERS,
+    HORIZON_RATES_PREREGISTRATION,
+    PUBLISH_DIAGNOSTICS,
+    RATES,
+    SEEDS,
+    SEEDS_TUNE,
+    jobs,
+    slower_muon_rates,
+    tune_name,
+    tuning_grid,
+)
 from studies.bc_fair_report import (
+    LATE_FROM,
     comparisons_markdown,
     gap_changes_markdown,
+    h3,
+    h4,
     horizon_markdown,
+    horizon_rates_markdown,
     load,
     mean_ci,
     oracle_markdown,
@@ -67,7 +82,7 @@ def test_later_stages_start_from_the_best_rates_paired_by_seed(tmp_path):
     # Fresh draws after tuning: a final on a tuning seed would repeat the run that picked its rate.
     assert not {int(job.name[-1]) for job in todo if job.stage != "tune"} & set(SEEDS_TUNE)
     # Stage by stage: every seed of the finals before any variant.
-    assert [stage for stage, _ in itertools.groupby(job.stage for job in todo)] == ["tune", "finals", "variants", "horizon"]
+    assert [stage for stage, _ in itertools.groupby(job.stage for job in todo)] == ["tune", "finals", "variants", "horizon", "horizon_rates"]
     # Only what comes after tuning publishes its diagnostics (the finals' oracle among them).
     assert all((PUBLISH_DIAGNOSTICS in job.overrides) == (job.stage != "tune") for job in todo)
     assert all(("logging.oracle_alignment=true" in job.overrides) == (job.stage == "finals" and "split" not in job.name) for job in todo)
@@ -269,3 +284,88 @@ def test_a_rate_outside_a_contenders_grid_is_not_in_the_grid_not_yet_to_run(tmp_
     rows = {row[0]: row[1:] for row in table_rows(tuning_markdown(tmp_path))}
     assert rows[f"{below:.4g}"] == ["not in the grid", "0.5005 (2)", "not in the grid"]
     assert rows[f"{RATES[0]:.4g}"][2] == "not run yet"  # in DP-MuonBC (match_norm)'s grid, not yet run
+
+
+def tuned(results: Path, muon_rate: float, bc_rate: float) -> None:
+    """A complete tuning stage whose picks are DP-Muon's `muon_rate` and the others' `bc_rate`."""
+    for contender in CONTENDERS:
+        for lr in RATES:
+            publish(results, contender, lr, nll=abs(lr - (muon_rate if contender == "dp_muon" else bc_rate)))
+
+
+def test_horizon_rates_runs_dp_muon_slower_and_dp_muonbc_split_over_the_horizon(tmp_path):
+    tuned(tmp_path, RATES[2], RATES[1])
+    todo = [job for job in jobs(tmp_path, lambda seed: 100 + seed) if job.stage == "horizon_rates"]
+    slower = slower_muon_rates(RATES[2])
+    assert [f"{lr:.4g}" for lr in slower] == [f"{RATES[2] * 2**-0.25:.4g}", f"{RATES[1]:.4g}"]  # 2^(−1/4), 2^(−1/2): a grid point
+    # Seed-major: a stage cut short still holds every arm of its first seeds.
+    rates = {**{tune_name("dp_muon", lr, 0).removesuffix("_seed0"): (lr, lr) for lr in slower}, "dp_muonbc_split": (RATES[1], RATES[2])}
+    assert [job.name for job in todo] == [f"{name}_seed{seed}" for seed in SEEDS for name in rates]
+    for job in todo:
+        muon, adam = rates[job.name.rsplit("_seed", 1)[0]]
+        assert {f"optimizer.lr={muon:.6g}", f"optimizer.adam.lr={adam:.6g}", "trainer.epochs=3", "trainer.steps=null"} <= set(job.overrides)
+        assert {PUBLISH_DIAGNOSTICS, "privacy.constant_time=false"} <= set(job.overrides)
+        assert job.mechanism_seed == 100 + int(job.name[-1])  # paired with the horizon's run of its seed
+
+
+def test_horizon_rates_needs_its_preregistration(tmp_path, monkeypatch):
+    from studies import bc_fair
+
+    ran = []
+    monkeypatch.setattr(bc_fair, "public_model", lambda results: None)
+    monkeypatch.setattr(bc_fair, "run_jobs", lambda pending, *a, **k: ran.extend(pending))
+    tuned(tmp_path, RATES[2], RATES[1])
+    args = ["run", "--stage", "horizon_rates", "--results", str(tmp_path), "--work", str(tmp_path / "work")]
+    with pytest.raises(SystemExit, match=f"{HORIZON_RATES_PREREGISTRATION} is missing"):
+        bc_fair.main(args)
+    assert not ran
+    (tmp_path / HORIZON_RATES_PREREGISTRATION).write_text("the rule\n")
+    assert bc_fair.main(args) == 0 and len(ran) == 3 * len(SEEDS)
+
+
+def horizon_curve(results: Path, stage: str, name: str, endpoint: dict[int, float]) -> None:
+    """Seeds' validation curves ending at `endpoint[seed]` (Δ between two such runs is constant from LATE_FROM on)."""
+    for seed, end in endpoint.items():
+        rows = [{"step": s, "val_nll": 3.0 - s / 1000 + (end if s >= LATE_FROM else 0.0)} for s in [*range(0, 493, 25), 493]]
+        write_run(results / stage, f"{name}_seed{seed}", rows)
+
+
+@pytest.mark.parametrize(
+    "against_slower, verdict",  # Δ (matched − DP-Muon at 0.0042), Δ (matched − DP-Muon at 0.0035), per seed
+    [
+        (([-0.010, -0.008, -0.012], [-0.006, -0.009, -0.007]), "the correction's direction"),  # ahead of every slower run
+        (([-0.010, -0.008, -0.012], [+0.002, -0.004, +0.005]), "a rate effect"),  # DP-Muon at 0.0035 as good on average
+        (([-0.010, +0.006, -0.002], [-0.006, -0.009, -0.007]), "unresolved"),  # ahead on average, not on every seed
+    ],
+)
+def test_h3_reads_the_matched_arm_against_dp_muon_at_every_rate(tmp_path, against_slower, verdict):
+    tuned(tmp_path, RATES[2], RATES[1])
+    matched = {2: -0.020, 3: -0.012, 4: -0.016}  # Δ (matched − DP-Muon at 0.005): an interval below 0
+    horizon_curve(tmp_path, "horizon", "dp_muon", dict.fromkeys(SEEDS, 0.0))
+    horizon_curve(tmp_path, "horizon", "dp_muonbc_matched", matched)
+    assert h3(tmp_path) == "waiting for the runs"
+    for lr, deltas in zip(slower_muon_rates(RATES[2]), against_slower):
+        name = tune_name("dp_muon", lr, 0).removesuffix("_seed0")
+        horizon_curve(tmp_path, "horizon_rates", name, {seed: matched[seed] - delta for seed, delta in zip(SEEDS, deltas)})
+    assert h3(tmp_path).startswith(verdict)
+    rows = {row[0]: row[1:] for row in table_rows(horizon_rates_markdown(tmp_path))}
+    assert rows[f"DP-MuonBC (match_norm) − DP-Muon at {RATES[2]:.4g}"][:2] == [mean_ci(list(matched.values()))] * 2
+    assert rows[f"DP-MuonBC (match_norm) − DP-Muon at {RATES[1]:.4g}"][0].startswith(f"{statistics.mean(against_slower[1]):+.4f} [")
+
+
+def test_h4_reads_dp_muonbc_against_its_split_rate_run(tmp_path):
+    tuned(tmp_path, RATES[2], RATES[1])
+    horizon_curve(tmp_path, "horizon", "dp_muonbc", dict.fromkeys(SEEDS, 0.0))
+    assert h4(tmp_path) == "waiting for the runs"
+    horizon_curve(tmp_path, "horizon_rates", "dp_muonbc_split", {2: 0.010, 3: 0.014, 4: 0.012})  # the split run is behind
+    assert h4(tmp_path).startswith("supported")
+
+
+def test_the_committed_horizon_rates_preregistration_names_the_runs_rates():
+    """The rule's text and the runner's rates agree: DP-Muon's committed pick, slowed by SLOWER_STEPS."""
+    root = Path(__file__).resolve().parents[2] / "results" / "bc_regime" / "fair"
+    text = (root / HORIZON_RATES_PREREGISTRATION).read_text()
+    best = tuning_grid(root, "dp_muon")[1]
+    assert f"{best:.2g}" in text
+    assert all(f"{lr:.2g}" in text for lr in slower_muon_rates(best))
+    assert f"from step {LATE_FROM} on" in text
