@@ -20,6 +20,7 @@ from dpmuon.data import EncodedExample
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition
 from dpmuon.privacy.engines.fast import FastEngine, ghost_weight_norms
+from dpmuon.privacy.engines.fast.kernels import GRAM_SLACK, WIDE_GRAM
 from dpmuon.privacy.subnormals import flush_supported, flushing
 from dpmuon.training.batching import lot_micro_batches
 
@@ -124,10 +125,12 @@ def exact_tied_norms(batch):
     return (head.scatter_add(1, rows, batch["b_embed"].double())).square().sum((1, 2)).sqrt()
 
 
-@pytest.mark.parametrize("rule", ["ghost", "direct"])
-def test_tied_weight_whose_parts_cancel_is_clipped_to_threshold(rule):
-    batch = opposing_tied_batch()
-    model = TiedProbe(64, 32)
+@pytest.mark.parametrize("rule, vocab", [("ghost", 64), ("direct", 64), ("ghost", WIDE_GRAM + 100)])
+def test_tied_weight_whose_parts_cancel_is_clipped_to_threshold(rule, vocab):
+    """Also over a vocabulary, where the head's Gram rounds in fp32 and its bound is absorbed
+    only once the cross term is in (the whole is ~1e-6 of the head's part)."""
+    batch = opposing_tied_batch(vocab=vocab)
+    model = TiedProbe(vocab, 32)
     partition = build_partition(["embed.weight"], clip_mode="flat", clip_norm=0.5 * float(exact_tied_norms(batch).min()))
     engine = FastEngine(model, partition, weight_norms=rule)
     assert_contributions_within_threshold(engine, partition, batch, tied_probe_loss)
@@ -342,8 +345,8 @@ def test_positions_without_output_gradient_are_skipped_exactly():
     b[:, :5] = 0  # a prompt
     b[2, 8:] = 0  # padding of one example
     active = b.ne(0).any(-1)
-    norms, grads = ghost_weight_norms(a, b, active)
-    assert norms.dtype == grads.dtype == torch.float64
+    norms, grads, rounding = ghost_weight_norms(a, b, active)
+    assert norms.dtype == grads.dtype == torch.float64 and not rounding.any()  # float64 Grams at 9 features
     assert torch.allclose(norms, exact_weight_norms(a, b), rtol=1e-12, atol=0)
     assert torch.allclose(grads, b.double().square().sum((1, 2)), rtol=1e-12, atol=0)
     scale = torch.rand(4, generator=g)
@@ -351,3 +354,66 @@ def test_positions_without_output_gradient_are_skipped_exactly():
         expected = torch.einsum("i,itj,itk->jk", scale.double(), b.double(), a.double())
         got = weighted_outer_sum(a, b, scale, out_in, active=active).double()
         assert torch.allclose(got, expected if out_in else expected.T, atol=1e-6), out_in
+
+
+def cancelling_wide_traces(batch=6, positions=24, d_in=16, spread=1e-4, seed=0):
+    """cancelling_traces with output gradients over a vocabulary (WIDE_GRAM features, where the
+    CPU's Grams are fp32 in chunks): ‖g‖² is ~1e-8 of (Σ_t ‖a_t‖‖b_t‖)², far below fp32's rounding."""
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.cat([torch.ones(positions // 2), -torch.ones(positions // 2)]).view(1, positions, 1)
+    a = torch.randn(batch, 1, d_in, generator=g) + spread * torch.randn(batch, positions, d_in, generator=g)
+    b = signs * torch.randn(batch, 1, WIDE_GRAM + 100, generator=g) + spread * torch.randn(batch, positions, WIDE_GRAM + 100, generator=g)
+    return a, b
+
+
+def test_a_wide_grams_rounding_is_bounded_and_absorbed():
+    """Over a vocabulary the Grams round in fp32: the norm may come out far from ‖g‖² when the
+    sum cancels, but never by more than the bound returned with it, and the norm the engine clips
+    with (`within_gram_slack`) is then ≥ ‖g‖²/(1 + GRAM_SLACK). Ordinary sequences stay within the
+    slack, so their norms are left as computed."""
+    from dpmuon.privacy.engines.fast.kernels import within_gram_slack
+
+    a, b = cancelling_wide_traces()
+    exact = exact_weight_norms(a, b)
+    norms, grads, rounding = ghost_weight_norms(a, b)
+    assert ((norms - exact).abs() <= rounding).all() and (rounding > 0).all()
+    assert ((norms - exact).abs() > GRAM_SLACK * exact).any()  # the slack alone would not cover it
+    assert (within_gram_slack(norms, rounding) * (1 + GRAM_SLACK) >= exact).all()
+    assert (grads >= b.double().square().sum((1, 2))).all()  # the trace errs towards the bound
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(3, 20, 16, generator=g), torch.randn(3, 20, WIDE_GRAM + 100, generator=g)
+    norms, _, rounding = ghost_weight_norms(a, b)
+    assert torch.equal(within_gram_slack(norms, rounding), norms)
+    assert torch.allclose(norms, exact_weight_norms(a, b), rtol=1e-6, atol=0)
+
+
+def test_a_wide_cancelling_gradient_is_clipped_to_threshold():
+    a, b = cancelling_wide_traces()
+
+    class WideProbe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(a.shape[2], b.shape[2], bias=False)
+
+        def forward(self, x):
+            return self.layer(x)
+
+    threshold = 0.5 * float(exact_weight_norms(a, b).sqrt().min())
+    partition = build_partition(["layer.weight"], clip_mode="flat", clip_norm=threshold)
+    engine = FastEngine(WideProbe(), partition, weight_norms="ghost")
+    assert_contributions_within_threshold(engine, partition, {"a": a, "b": b}, probe_loss)
+
+
+def test_wide_grams_stay_float64_when_fp32_matmuls_are_set_below_ieee():
+    """`torch.set_float32_matmul_precision("medium")` lets the CPU's fp32 products run in bf16,
+    which the fp32 bound does not cover: the Grams are then float64 again, with no rounding to bound."""
+    a, b = cancelling_wide_traces(batch=1)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        norms, _, rounding = ghost_weight_norms(a, b)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert not rounding.any()
+    assert torch.allclose(norms, exact_weight_norms(a, b), rtol=1e-6, atol=0)  # fp32 Grams: off by 100% or more here

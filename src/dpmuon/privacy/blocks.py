@@ -21,8 +21,9 @@ from .settings import CLIP_MODES, OTHER_BLOCKS, THRESHOLD_RULES, default
 # up, the squares lose at most n_W·2⁻¹²⁶ of a norm², under 2⁻¹¹·C_W² (a norm 2⁻¹²·C_W low: a
 # quarter of the margin) for blocks of up to 4·10¹⁰ coordinates; flushed products move neighbouring
 # lots' sums by at most 2·√n_W·R·2⁻¹²⁶ for R token rows in a lot, under 2⁻¹³·C_W (an eighth) while
-# √n_W·R ≤ 5·10²¹. With the fast engine's TRACE_BOUND (another quarter) that leaves 3/8 of the
-# margin for relative rounding, measured at 1e-7·C_W.
+# √n_W·R ≤ 5·10²¹. With the fast engine's TRACE_BOUND (another quarter) and its fp32 Grams over
+# a vocabulary (another quarter: kernels.GRAM_SLACK) that leaves 1/8 of the margin for relative
+# rounding, measured at 1e-7·C_W.
 MIN_THRESHOLD = 1e-12
 
 

@@ -20,7 +20,7 @@ from ...conformance import public_stand_in, rng_kept
 from ...settings import ENGINE_FALLBACKS
 from ..base import PerExampleEngine, PerExampleLoss, add_to_lot_total, example_losses, example_rows, full_precision, register_engine
 from .generic import GenericLayer, PerExampleGradients
-from .kernels import WEIGHT_NORM_RULES, WeightNormRule, tied_cross_term
+from .kernels import WEIGHT_NORM_RULES, WeightNormRule, tied_cross_term, within_gram_slack
 from .layers import EXAMPLE_MAJOR_FLATTENING, LAYER_RULES, AffineLayer, EmbeddingLayer, Layer, Trace, rule_for
 
 
@@ -267,16 +267,23 @@ class FastEngine(PerExampleEngine):
     def _squared_norms(self, traces: Mapping[nn.Module, Trace], size: int, device: torch.device) -> dict[str, torch.Tensor]:
         # Float64 sums: a tied weight's parts and their cross term may cancel.
         squared = {name: torch.zeros(size, dtype=torch.float64, device=device) for name in self.params}
+        bounds: dict[str, torch.Tensor] = {}  # on the norms' rounding, where a rule's is not negligible
         for module, trace in traces.items():
             # Named per module type (and shape) for the bench's breakdown (scripts/bench_step.py --phases).
             with record_function(f"dpmuon.norms/{type(module).__name__}{tuple(module.weight.shape) if hasattr(module, 'weight') else ''}"):
                 for name, values in self.layers[module].squared_norms(trace).items():
                     squared[name] += values
+            for name, bound in getattr(trace, "rounding", {}).items():  # a Trace's; formed gradients have none
+                bounds[name] = bounds[name] + bound if name in bounds else bound
         for tie in self.tied:
             if tie.head in traces and tie.embedding in traces:
                 head, embedding = traces[tie.head], traces[tie.embedding]
                 with record_function("dpmuon.norms/tied head cross term"):
                     squared[tie.name] += 2 * tied_cross_term(head.inputs, head.grads, embedding.inputs, embedding.grads)
+        # A norm computed with rounding is raised where its bound exceeds the slack: after the
+        # cross term, since the bound is absolute and the whole may be far smaller than the part.
+        for name, bound in bounds.items():
+            squared[name] = within_gram_slack(squared[name], bound)
         return squared
 
     def clipped_sum(self, batch, loss_fn):

@@ -2,11 +2,15 @@
 cross term, and the book-keeping product — all chunked over examples to bound memory.
 
 Precision (see the package docstring for why): the ghost Grams and the tied cross term are
-float64; a formed gradient's sum of squares and the book-keeping sums stay fp32.
+float64; a formed gradient's sum of squares and the book-keeping sums stay fp32. On the CPU a
+Gram over a vocabulary (at least WIDE_GRAM features: an LM head's output gradients) is the one
+exception: fp32 over chunks of GRAM_CHUNK features, the chunks added in float64, with a bound on
+its rounding that the engine absorbs (`ghost_weight_norms`, `within_gram_slack`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Literal
 
@@ -41,38 +45,103 @@ def prefers_ghost(rule: WeightNormRule, positions: int, d_in: int, d_out: int) -
     return positions * (d_in + d_out) < d_in * d_out
 
 
+# A float64 Gram over an LM head's vocabulary was two thirds of the fast engine's norm work at
+# a 50k vocabulary; fp32 runs at twice the rate and needs no float64 copy of the output gradients.
+# Its rounding is bounded instead of avoided: a dot product of k terms computed in fp32 in any
+# order is within γ_k·Σ|x_v y_v| ≤ γ_k·‖x‖‖y‖ of the exact one (γ_k = k·u/(1 − k·u), u = 2⁻²⁴),
+# plus what flush-to-zero loses, under 2⁻¹²⁶ per product and per sum. Chunks of GRAM_CHUNK keep
+# γ at 1.5e-5; adding the chunks in float64 adds nothing of that order.
+WIDE_GRAM = 8192
+GRAM_CHUNK = 256
+GRAM_CHUNK_ERROR = GRAM_CHUNK * 2.0**-24 / (1 - GRAM_CHUNK * 2.0**-24)
+# The share of a squared norm its bound may reach before the norm is raised: the bound's excess
+# over GRAM_SLACK·‖g‖² is added (`within_gram_slack`), so the norm used is ≥ ‖g‖²/(1 + GRAM_SLACK)
+# however the Gram rounds. Half of GRAM_SLACK in the norm is 2⁻¹²·C_W, a quarter of the clip
+# margin (blocks.py has the budget). Real sequences stay about within it: at the tiny model's and
+# SmolLM2's heads on E2E the bound was 10–37 γ of ‖g‖² (about the supervised tokens), against
+# 2⁻¹¹ = 32 γ.
+GRAM_SLACK = 2.0**-11
+
+
 def _gram64(x: torch.Tensor) -> torch.Tensor:
     """[B, T, T] float64 Grams x_i x_iᵀ of x [B, T, d], batched (the GPU path)."""
     x = x.double()
     return x @ x.mT
 
 
-def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B] float64 ‖b_iᵀ a_i‖²_F = Σ_{s,t} ⟨a_s, a_t⟩⟨b_s, b_t⟩ for a [B, T, d_in], b [B, T, d_out],
-    and [B] float64 ‖b_i‖²_F, the trace of b's Gram (free here; the engine bounds it).
+def _gram(x: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    """(x xᵀ in float64, e, f) for one example's x [T, d]: each entry within e·‖x_s‖‖x_t‖ + f of
+    the exact Gram. Float64 (e = f = 0: its rounding is the measured part of the clip margin)
+    unless d ≥ WIDE_GRAM and fp32 matrix products run at IEEE precision (a CPU whose fp32 matmuls
+    were set to bf16 or TF32, `torch.set_float32_matmul_precision`, keeps float64)."""
+    positions, features = x.shape
+    if features < WIDE_GRAM or torch.backends.mkldnn.matmul.fp32_precision not in ("ieee", "none"):
+        x = x.double()
+        return x @ x.T, 0.0, 0.0
+    whole = features // GRAM_CHUNK * GRAM_CHUNK
+    chunks = x[:, :whole].unflatten(1, (-1, GRAM_CHUNK)).transpose(0, 1)  # [chunks, T, GRAM_CHUNK], a view
+    gram = torch.bmm(chunks, chunks.mT).double().sum(0)
+    if whole < features:
+        rest = x[:, whole:]
+        gram += (rest @ rest.T).double()
+    return gram, GRAM_CHUNK_ERROR, 2 * features * 2.0**-126
 
-    Float64 Grams: the sum cancels (see the package docstring). active [B, T]: the positions
-    with a nonzero b_t (`Trace.active`); the others add nothing, so the CPU path leaves them out
-    of the T² cost — at the LM head, every prompt token.
+
+def row_norms(gram: torch.Tensor, error: tuple[float, float]) -> torch.Tensor:
+    """Upper bounds on ‖x_t‖ from a computed Gram whose entries are within e·‖x_s‖‖x_t‖ + f:
+    G_tt ≥ (1 − e)·‖x_t‖² − f."""
+    e, f = error
+    return ((gram.diagonal() + f) / (1 - e)).sqrt()
+
+
+def gram_error_bound(gram_a: torch.Tensor, a_error: tuple[float, float], gram_b: torch.Tensor, b_error: tuple[float, float]) -> torch.Tensor:
+    """A bound on |Σ_{s,t} Â_st B̂_st − ‖g‖²| for computed Grams Â, B̂ within (e, f) of a's and b's
+    (`_gram`). With ρ = √(f/e), each entry's error is ≤ e·(‖x_s‖ + ρ)(‖x_t‖ + ρ), and |A_st| ≤
+    (‖a_s‖ + ρ_a)(‖a_t‖ + ρ_a); the products' errors sum to at most
+    (e_a + e_b + e_a·e_b)·(Σ_t (‖a_t‖ + ρ_a)(‖b_t‖ + ρ_b))²."""
+    e_a, e_b = a_error[0], b_error[0]
+    if e_a == 0 and e_b == 0:
+        return gram_b.new_zeros(())
+    rho_a, rho_b = (math.sqrt(f / e) if e else 0.0 for e, f in (a_error, b_error))
+    spread = ((row_norms(gram_a, a_error) + rho_a) * (row_norms(gram_b, b_error) + rho_b)).sum()
+    return (e_a + e_b + e_a * e_b) * spread.square() * (1 + 2.0**-40)  # the bound's own float64 rounding
+
+
+def within_gram_slack(squared: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """The squared norms to clip with, given `bound` on their rounding: raised just enough that
+    the true ‖g‖² ≤ (1 + GRAM_SLACK)·result (fmax: a dropped example's +inf stays, a NaN bound
+    changes nothing). Unchanged where the bound is within GRAM_SLACK of the norm."""
+    return torch.fmax(squared, (squared + bound) / (1 + GRAM_SLACK))
+
+
+def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B] float64 ‖b_iᵀ a_i‖²_F = Σ_{s,t} ⟨a_s, a_t⟩⟨b_s, b_t⟩ for a [B, T, d_in], b [B, T, d_out];
+    [B] float64 ‖b_i‖²_F, the trace of b's Gram (free here; the engine bounds it; an upper bound
+    where the Gram rounds); and [B] float64 bounds on the norms' rounding (0 where both Grams are
+    float64; `_gram`).
+
+    Float64 Grams but over a vocabulary: the sum cancels (see the package docstring). active
+    [B, T]: the positions with a nonzero b_t (`Trace.active`); the others add nothing, so the CPU
+    path leaves them out of the T² cost — at the LM head, every prompt token.
     """
     if a.device.type == "cpu":
         # One example at a time: on CPU a batched float64 product over thousands of features
         # (the LM head's vocabulary) runs 2–3× slower than the 2-D ones, and each example's
         # float64 copy is then made only when needed, on its active rows only.
-        norms, grads = [], []
+        norms, grads, bounds = [], [], []
         for i in range(a.shape[0]):
             ai, bi = a[i], b[i]
             if active is not None and not bool(active[i].all()):
                 rows = active[i].nonzero().squeeze(1)
                 ai, bi = ai.index_select(0, rows), bi.index_select(0, rows)
-            ai, bi = ai.double(), bi.double()
-            gram_b = bi @ bi.T
-            grads.append(gram_b.diagonal().sum())
-            norms.append((ai @ ai.T).mul_(gram_b).sum())
+            (gram_a, *a_error), (gram_b, *b_error) = _gram(ai), _gram(bi)
+            grads.append(row_norms(gram_b, b_error).square().sum())
+            bounds.append(gram_error_bound(gram_a, a_error, gram_b, b_error))  # before gram_a is overwritten
+            norms.append(gram_a.mul_(gram_b).sum())
         if not norms:
             empty = torch.zeros(0, dtype=torch.float64, device=a.device)
-            return empty, empty
-        return torch.stack(norms), torch.stack(grads)
+            return empty, empty, empty
+        return torch.stack(norms), torch.stack(grads), torch.stack(bounds)
     batch, positions = a.shape[:2]
     norms, grads = [], []
     for rows in example_chunks(batch, FP64_ELEMENTS * positions * (a.shape[2] + b.shape[2] + 2 * positions)):
@@ -81,8 +150,9 @@ def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | 
         norms.append(_gram64(a[rows]).mul_(gram_b).sum((1, 2)))
     if not norms:
         empty = torch.zeros(0, dtype=torch.float64, device=a.device)
-        return empty, empty
-    return torch.cat(norms), torch.cat(grads)
+        return empty, empty, empty
+    norms = torch.cat(norms)
+    return norms, torch.cat(grads), torch.zeros_like(norms)
 
 
 def direct_weight_norms(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

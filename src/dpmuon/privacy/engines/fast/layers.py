@@ -82,6 +82,10 @@ class Trace:
     grads: torch.Tensor  # gradient of Σ_i loss_i w.r.t. the layer's outputs
     # Constant-time lots: every position counts as active, so padding rows cost what real rows do.
     keep_all: bool = False
+    # Parameter name → [B] bound on the rounding of its squared norms, where the rule's were not
+    # computed in float64 (`kernels.ghost_weight_norms` over a vocabulary); the engine absorbs it
+    # once a block's norm is complete (a tied head's cross term may cancel against it).
+    rounding: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _active: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def active(self) -> torch.Tensor:
@@ -216,7 +220,8 @@ class AffineLayer(InPlaceLayer):
         grads_norm = None
         if "weight" in self.names:
             if prefers_ghost(self.weight_norms, a.shape[1], a.shape[2], b.shape[2]):
-                out[self.names["weight"]], grads_squared = ghost_weight_norms(a, b, trace.active())
+                out[self.names["weight"]], grads_squared, rounding = ghost_weight_norms(a, b, trace.active())
+                trace.rounding[self.names["weight"]] = rounding
                 grads_norm = grads_squared.sqrt()  # b's own Gram: no extra pass over a vocabulary-wide b
             else:
                 out[self.names["weight"]] = direct_weight_norms(a, b, self.direct_dtype)
