@@ -417,3 +417,25 @@ def test_wide_grams_stay_float64_when_fp32_matmuls_are_set_below_ieee():
         torch.set_float32_matmul_precision(before)
     assert not rounding.any()
     assert torch.allclose(norms, exact_weight_norms(a, b), rtol=1e-6, atol=0)  # fp32 Grams: off by 100% or more here
+
+
+@pytest.mark.parametrize("engine", ["fast-ghost", "fast-direct", "opacus"])
+def test_a_coarse_fp32_matmul_setting_does_not_reach_the_clipped_sums(engine):
+    """`torch.set_float32_matmul_precision("medium")` (bf16 products, on a CPU with bf16 units as
+    this one; elsewhere the setting changes nothing and this passes either way): the user's
+    forward and backward keep it, the engines' norms and sums do not (`ieee_fp32_matmuls`): the
+    fast engine's book-keeping sum otherwise came out 1.5× C_W (Opacus' sum over examples, which
+    runs inside it too, did not break on these inputs)."""
+    a, b = cancelling_traces(batch=2)
+    model = Probe(a.shape[2])
+    threshold = 0.5 * float(exact_weight_norms(a, b).sqrt().min())
+    partition = build_partition(["layer.weight"], clip_mode="flat", clip_norm=threshold)
+    name, _, rule = engine.partition("-")
+    built = FastEngine(model, partition, weight_norms=rule) if name == "fast" else build_engine("opacus", model, partition)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert_contributions_within_threshold(built, partition, {"a": a, "b": b}, probe_loss)
+        assert torch.get_float32_matmul_precision() == "medium"  # the caller's setting, after the release
+    finally:
+        torch.set_float32_matmul_precision(before)

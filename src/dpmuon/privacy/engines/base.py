@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -65,6 +65,28 @@ def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
     among them the sum over examples, whose rounding then grows with the lot — to bf16. Only
     the loss function's forward is the caller's to cast."""
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+@contextlib.contextmanager
+def ieee_fp32_matmuls() -> Iterator[None]:
+    """fp32 matrix products at IEEE precision inside the block, the caller's choice again after it.
+
+    `torch.set_float32_matmul_precision("high" / "medium")` — a line many training scripts start
+    with — lets fp32 products round their inputs to TF32 or bf16 (10 or 8 bits: on a CPU with
+    bf16 units as on a GPU). The clip margin covers fp32 rounding only: with bf16 products, the
+    fast engine's book-keeping sum of a cancelling example came out 1.5× C_W, its norm being exact
+    (tests/privacy/test_sensitivity_fp.py). The engines' norms and clipped sums run inside this;
+    the user's forward and backward keep their setting. Per backend, with the API that reads and
+    restores each setting exactly, whichever API the caller set it with."""
+    backends = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = [backend.fp32_precision for backend in backends]
+    try:
+        for backend in backends:
+            backend.fp32_precision = "ieee"
+        yield
+    finally:
+        for backend, value in zip(backends, saved):
+            backend.fp32_precision = value
 
 
 class PerExampleEngine(ABC):

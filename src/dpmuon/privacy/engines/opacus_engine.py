@@ -16,7 +16,7 @@ from torch import nn
 
 from ..clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
 from . import opacus_samplers  # noqa: F401  (registers the Conv1D and HF RMSNorm grad samplers)
-from .base import PerExampleEngine, example_losses, example_rows, full_precision, register_engine
+from .base import PerExampleEngine, example_losses, example_rows, full_precision, ieee_fp32_matmuls, register_engine
 
 
 def functorch_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -119,7 +119,8 @@ class OpacusEngine(PerExampleEngine):
         norms = mark_nonfinite_losses(per_example_block_norms(self.partition, squared), losses)
         factors = clip_factors(norms, self.thresholds).masked_fill(~examples.unsqueeze(1), 0).float()
         summed = {}
-        with full_precision(losses.device):  # einsum is a batched matmul, which autocast would cast
+        # einsum is a batched matmul, which autocast (or a TF32 / bf16 fp32 setting) would round coarsely
+        with full_precision(losses.device), ieee_fp32_matmuls():
             for name, g in grads.items():
                 g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)  # 0·NaN would be NaN
                 summed[name] = torch.einsum("b,b...->...", factors[:, self.block_of[name]], g)

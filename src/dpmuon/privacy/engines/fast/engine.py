@@ -18,7 +18,7 @@ from ...blocks import BlockPartition
 from ...clipping import ClipStats, clip_factors, mark_nonfinite_losses, per_example_block_norms
 from ...conformance import public_stand_in, rng_kept
 from ...settings import ENGINE_FALLBACKS
-from ..base import PerExampleEngine, PerExampleLoss, add_to_lot_total, example_losses, example_rows, full_precision, register_engine
+from ..base import PerExampleEngine, PerExampleLoss, add_to_lot_total, example_losses, example_rows, full_precision, ieee_fp32_matmuls, register_engine
 from .generic import GenericLayer, PerExampleGradients
 from .kernels import WEIGHT_NORM_RULES, WeightNormRule, tied_cross_term, within_gram_slack
 from .layers import EXAMPLE_MAJOR_FLATTENING, LAYER_RULES, AffineLayer, EmbeddingLayer, Layer, Trace, rule_for
@@ -317,7 +317,8 @@ class FastEngine(PerExampleEngine):
         examples = example_rows(batch, losses.shape[0], losses.device)
         with full_precision(losses.device):
             traces = self._backward(losses, calls)
-            return self._clip_and_sum(traces, losses.detach(), examples, booked, summed)
+            with ieee_fp32_matmuls():
+                return self._clip_and_sum(traces, losses.detach(), examples, booked, summed)
 
     # -- the first micro-batch's check -------------------------------------------------------
 
