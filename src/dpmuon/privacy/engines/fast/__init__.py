@@ -36,10 +36,12 @@ rounding error grows with R² for R = Σ_t ‖a_t‖‖b_t‖ / ‖g_i‖ (craft
 d = 64, R ≈ 6000 came out 7% low in fp32 — contributions of 1.08·C). A tied weight's norm
 ‖G_head‖² + ‖G_emb‖² + 2⟨G_head, G_emb⟩ cancels when the parts nearly oppose each other and
 amplifies their rounding, so the parts and the cross term are float64 too; all squared norms
-are accumulated in float64. On the CPU a Gram over a vocabulary (an LM head's output gradients,
-two thirds of the norm work at a 50k vocabulary in float64) is computed in fp32 chunks instead,
-with a bound on its rounding: a norm whose bound exceeds `kernels.GRAM_SLACK` of it is raised by
-the excess, after a tied head's cross term (`kernels.within_gram_slack`). A formed gradient's sum of squares does not cancel: direct,
+are accumulated in float64. On the CPU a Gram over a vocabulary (an LM head's output
+gradients, two thirds of the norm work at a 50k vocabulary in float64) is computed in fp32
+chunks instead, with a bound on its rounding: a norm whose bound exceeds `kernels.GRAM_SLACK` of
+it is raised by the excess, after a tied head's cross term (`kernels.within_gram_slack`). Norms
+and sums run with IEEE fp32 products whatever the caller set (`base.ieee_fp32_matmuls`). A formed
+gradient's sum of squares does not cancel: direct,
 LayerNorm and bias norms stay fp32 (rounding linear in R, like the fp32 book-keeping sums: a
 relative 3e-5 at R ≈ 6000 — the floor Opacus' materialized fp32 per-example gradients have).
 Underflow is an absolute error, not a relative one: thresholds have a floor (`blocks.

@@ -74,7 +74,7 @@ def _gram(x: torch.Tensor) -> tuple[torch.Tensor, float, float]:
     the exact Gram. Float64 (e = f = 0: its rounding is the measured part of the clip margin)
     unless d ≥ WIDE_GRAM and fp32 matrix products run at IEEE precision (a CPU whose fp32 matmuls
     were set to bf16 or TF32, `torch.set_float32_matmul_precision`, keeps float64)."""
-    positions, features = x.shape
+    features = x.shape[1]
     if features < WIDE_GRAM or torch.backends.mkldnn.matmul.fp32_precision not in ("ieee", "none"):
         x = x.double()
         return x @ x.T, 0.0, 0.0
