@@ -439,3 +439,18 @@ def test_a_coarse_fp32_matmul_setting_does_not_reach_the_clipped_sums(engine):
         assert torch.get_float32_matmul_precision() == "medium"  # the caller's setting, after the release
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_a_wide_gram_holds_a_bounded_number_of_chunk_grams_at_once(monkeypatch):
+    """A long sequence's chunk Grams ([T, T] each, a few hundred of them over a vocabulary) are
+    formed a budget's worth at a time: the same Gram, bit for bit, in several groups; an example
+    without active positions gives an empty one."""
+    from dpmuon.privacy.engines.fast import kernels
+
+    x = torch.randn(40, WIDE_GRAM + 100, generator=torch.Generator().manual_seed(3))
+    whole, *error = kernels._gram(x)
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 3 * 40 * 40 * 5)  # five chunks a call: seven calls
+    grouped, *_ = kernels._gram(x)
+    assert torch.equal(grouped, whole) and error[0] > 0
+    assert torch.allclose(whole, x.double() @ x.double().T, rtol=0, atol=error[0] * float(x.norm(dim=1).max()) ** 2)
+    assert kernels._gram(x[:0])[0].shape == (0, 0)

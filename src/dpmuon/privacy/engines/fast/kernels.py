@@ -80,7 +80,9 @@ def _gram(x: torch.Tensor) -> tuple[torch.Tensor, float, float]:
         return x @ x.T, 0.0, 0.0
     whole = features // GRAM_CHUNK * GRAM_CHUNK
     chunks = x[:, :whole].unflatten(1, (-1, GRAM_CHUNK)).transpose(0, 1)  # [chunks, T, GRAM_CHUNK], a view
-    gram = torch.bmm(chunks, chunks.mT).double().sum(0)
+    # Each chunk's [T, T] Gram is kept until they are added: as many at once as CHUNK_ELEMENTS allows.
+    per_call = max(1, CHUNK_ELEMENTS // max(1, 3 * x.shape[0] ** 2))  # fp32 Grams and their float64 copy
+    gram = sum(torch.bmm(group, group.mT).double().sum(0) for group in chunks.split(per_call))
     if whole < features:
         rest = x[:, whole:]
         gram += (rest @ rest.T).double()
