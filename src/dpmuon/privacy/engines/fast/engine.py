@@ -273,7 +273,7 @@ class FastEngine(PerExampleEngine):
             with record_function(f"dpmuon.norms/{type(module).__name__}{tuple(module.weight.shape) if hasattr(module, 'weight') else ''}"):
                 for name, values in self.layers[module].squared_norms(trace).items():
                     squared[name] += values
-            for name, bound in getattr(trace, "rounding", {}).items():  # a Trace's; formed gradients have none
+            for name, bound in trace.rounding.items():
                 bounds[name] = bounds[name] + bound if name in bounds else bound
         for tie in self.tied:
             if tie.head in traces and tie.embedding in traces:

@@ -21,7 +21,7 @@ What it cannot do exactly, it refuses, naming the module:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,9 @@ class PerExampleGradients:
 
     grads: dict[str, torch.Tensor]
     keep_all: bool = False  # set by the engine; formed gradients cost the same for every row anyway
+    # As `Trace.rounding`; always empty: a formed gradient's squared norm is a sum of squares, which
+    # does not cancel.
+    rounding: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def without(self, dropped: torch.Tensor) -> PerExampleGradients:
         """Dropped examples' rows zeroed, in place: the formed gradients are the engine's own."""
