@@ -201,6 +201,13 @@ class Lots:
     def of(self, config: Config) -> list[dict[str, torch.Tensor]]:
         return {"default": self.bucketed, "one-width": self.one_width}.get(config.variant, self.as_drawn)
 
+    def tokens(self) -> dict[str, int]:
+        """Token positions a step runs through, padding included, per way of batching: forward and
+        backward cost about this, so it is the physical budget of constant-time lots in widths (the
+        widths' row bounds make it larger than B_max/(Nq) alone)."""
+        area = lambda batches: sum(b["input_ids"].numel() for b in batches)  # noqa: E731
+        return {"as-drawn": area(self.as_drawn), "one-width": area(self.one_width), "default": area(self.bucketed)}
+
     def to(self, device: torch.device) -> Lots:
         move = lambda batches: [{k: v.to(device) for k, v in b.items()} for b in batches]  # noqa: E731
         return Lots(move(self.as_drawn), move(self.one_width), move(self.bucketed), self.max_lot_size, self.widths)
@@ -470,15 +477,18 @@ def print_table(rows: list[dict[str, Any]], memory_label: str) -> None:
         )
 
 
-def print_guarantee_costs(rows: list[dict[str, Any]], max_lot_size: int, lot: int) -> None:
+def print_guarantee_costs(rows: list[dict[str, Any]], max_lot_size: int, lot: int, tokens: dict[str, int]) -> None:
     """× non-private of each private configuration with each part of the guarantee kept: the
-    step from one column to the next is what that part costs."""
+    step from one column to the next is what that part costs; beside it, the tokens each way of
+    batching runs through, × as drawn."""
     by_config: dict[str, dict[str, float]] = {}
     for row in rows:
         if row["variant"] in VARIANTS:
             by_config.setdefault(f"{row['engine']}/{row['clip_mode']}/{row['optimizer']}", {})[row["variant"]] = row["throughput_vs_non_private"]
     variants = [v for v in VARIANTS if any(v in r for r in by_config.values())]
-    print(f"× non-private by what of the guarantee is kept (B_max/(Nq) = {max_lot_size}/{lot} = {max_lot_size / lot:.3f}):")
+    drawn = tokens["as-drawn"]
+    areas = ", ".join(f"{v} {n:,} ({n / drawn:.3f}×)" for v, n in tokens.items())
+    print(f"× non-private by what of the guarantee is kept (B_max/(Nq) = {max_lot_size}/{lot} = {max_lot_size / lot:.3f}; positions run through: {areas}):")
     print(f"{'configuration':28} " + " ".join(f"{v:>10}" for v in variants))
     for config, ratios in by_config.items():
         print(f"{config:28} " + " ".join(f"{ratios[v]:10.3f}" if v in ratios else f"{'-':>10}" for v in variants))
@@ -631,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
     memory_label = "peak MiB" if device.type == "cuda" else "peak RSS MiB"
     print_table(rows, memory_label)
     print()
-    print_guarantee_costs(rows, lots.max_lot_size, args.lot)
+    print_guarantee_costs(rows, lots.max_lot_size, args.lot, lots.tokens())
     if phases:
         print()
         print_phases(phases)
@@ -647,6 +657,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         meta["max_lot_size"] = lots.max_lot_size
         meta["widths"] = [list(bucket) for bucket in lots.widths]
+        meta["padded_tokens"] = lots.tokens()
         args.json.write_text(to_json({**meta, "rows": rows, "phases": {c.label: p for c, p in phases.items()}}, indent=2))
 
 
