@@ -5,9 +5,10 @@
 Writes `fair.md` next to the runs (every comparison paired by mechanism seed, with a t-based 95%
 confidence interval over seeds, the paired Δ along the long horizon, and what the oracle saw in
 the finals), `paired_delta.png`
-(paired Δ validation NLL, DP-MuonBC − DP-Muon, against step: one panel per setting) and
+(paired Δ validation NLL, DP-MuonBC − DP-Muon, against step: one panel per setting),
 `alignment_vs_snr.png` (the correction's single-draw and probe-averaged alignment gain against
-the true SNR, on the DP-Muon finals' trajectories). A cell that was not measured says so.
+the true SNR, on the DP-Muon finals' trajectories) and `horizon_rates.png` (the add-on's arms
+against DP-Muon at its best rate along the 3-epoch horizon). A cell that was not measured says so.
 """
 
 from __future__ import annotations
@@ -283,13 +284,21 @@ def validation_deltas(runs: dict[str, Run], a: str, b: str) -> tuple[list[float]
     return last, [v for v in late if math.isfinite(v)]
 
 
+def slower_muon_arms(root: Path) -> tuple[float | None, list[tuple[str, str]]]:
+    """DP-Muon's best rate and horizon_rates' slower DP-Muon arms (rate as written, the runs'
+    name before _seed); no arms before the tuning has a best rate."""
+    best = tuning_grid(root, "dp_muon")[1]
+    if best is None:
+        return None, []
+    return best, [(f"{lr:.4g}", tune_name("dp_muon", lr, 0).rsplit("_seed", 1)[0]) for lr in slower_muon_rates(best)]
+
+
 def horizon_rates_rows(root: Path) -> tuple[dict[str, Run], list[tuple[str, str, str]]]:
     """The horizon's and horizon_rates' runs together, and the add-on's comparisons (what, a, b: a − b)."""
-    best = tuning_grid(root, "dp_muon")[1]
+    best, slower = slower_muon_arms(root)
     runs = {**load(root, "horizon"), **load(root, "horizon_rates")}
     if best is None:
         return runs, []
-    slower = [(f"{lr:.4g}", tune_name("dp_muon", lr, 0).rsplit("_seed", 1)[0]) for lr in slower_muon_rates(best)]
     rows = [(f"DP-MuonBC (match_norm) − DP-Muon at {best:.4g}", "dp_muonbc_matched", "dp_muon")]
     rows += [(f"DP-MuonBC (match_norm) − DP-Muon at {rate}", "dp_muonbc_matched", name) for rate, name in slower]
     rows += [(f"DP-Muon at {rate} − DP-Muon at {best:.4g}", name, "dp_muon") for rate, name in slower]
@@ -303,9 +312,10 @@ def h3(root: Path) -> str:
     """H3, the norm-matched arm's late lead is the correction's direction, by the pre-registered rule
     (validation NLL at the last evaluation): the direction if it beats DP-Muon at every rate tried,
     a rate effect if DP-Muon at a slower rate does at least as well on average."""
-    runs, rows = horizon_rates_rows(root)
-    against = [validation_deltas(runs, a, b)[0] for what, a, b in rows if what.startswith("DP-MuonBC (match_norm) − DP-Muon")]
-    if not against or min(len(deltas) for deltas in against) < len(SEEDS):
+    runs, _ = horizon_rates_rows(root)
+    best, slower = slower_muon_arms(root)
+    against = [validation_deltas(runs, "dp_muonbc_matched", muon)[0] for muon in ["dp_muon", *(name for _, name in slower)]]
+    if best is None or min(len(deltas) for deltas in against) < len(SEEDS):
         return "waiting for the runs"
     if any(statistics.mean(deltas) >= 0 for deltas in against[1:]):
         return "a rate effect: DP-Muon at a slower rate does at least as well as the norm-matched arm"
@@ -371,6 +381,38 @@ def delta_figure(root: Path, path: Path) -> None:
     plt.close(fig)
 
 
+def horizon_rates_figure(root: Path, path: Path) -> list[tuple[str, float]]:
+    """The add-on's arms against DP-Muon at its best rate along the horizon: paired Δ validation
+    NLL, mean over the seeds with both curves (H3 reads the slower DP-Muon arms against the
+    norm-matched one at the last step). Returns each plotted curve's label and last mean."""
+    runs, _ = horizon_rates_rows(root)
+    best, slower = slower_muon_arms(root)
+    arms = [*((f"DP-Muon at {rate}", name) for rate, name in slower), ("DP-MuonBC (match_norm)", "dp_muonbc_matched"),
+            ("DP-MuonBC", "dp_muonbc"), ("DP-MuonBC, split rates", "dp_muonbc_split")]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    plotted = []
+    for label, name in arms:
+        curves = delta_curves(runs, name, "dp_muon")
+        if curves:
+            steps = sorted(curves)
+            means = [statistics.mean(curves[s]) for s in steps]
+            plotted.append((f"{label} (n = {max(len(v) for v in curves.values())})", means[-1]))
+            ax.plot(steps, means, linewidth=1.6, label=plotted[-1][0])
+    if plotted:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, NOT_RUN, ha="center", va="center", transform=ax.transAxes)
+    against = f"DP-Muon at {best:.4g}" if best is not None else "DP-Muon"
+    ax.set_title(f"{HORIZON_EPOCHS} epochs: Δ validation NLL against {against} (paired, mean over seeds)", fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("Δ val NLL")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata=_PNG_METADATA)
+    plt.close(fig)
+    return plotted
+
+
 def published_seeds_note(root: Path) -> str:
     """What the runs' ε is: their seeds are published, so it is no guarantee (and the summaries
     written before a run could say so claim otherwise)."""
@@ -393,7 +435,7 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
     """fair.md and the two figures of the runs under `root`, written to `out` (default: `root`)."""
     out = out or root
     out.mkdir(parents=True, exist_ok=True)
-    table, figure, alignment = out / "fair.md", out / "paired_delta.png", out / "alignment_vs_snr.png"
+    table, figure, alignment, rates = out / "fair.md", out / "paired_delta.png", out / "alignment_vs_snr.png", out / "horizon_rates.png"
     header = (
         "# DP-MuonBC compared fairly (pretrained tiny model, E2E, lot 256, ε = 8)\n\n"
         "From `python -m studies.bc_fair_report`; runs from `python -m studies.bc_fair run`.\n\n"
@@ -411,7 +453,8 @@ def write_report(root: Path, out: Path | None = None) -> list[Path]:
     table.write_text(header + "\n".join(sections))
     delta_figure(root, figure)
     alignment_figure(finals, alignment)
-    return [table, figure, alignment]
+    horizon_rates_figure(root, rates)
+    return [table, figure, alignment, rates]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from studies.bc_fair_report import (
     h3,
     h4,
     horizon_markdown,
+    horizon_rates_figure,
     horizon_rates_markdown,
     load,
     mean_ci,
@@ -224,7 +225,7 @@ def test_the_oracle_table_and_figure_come_from_the_finals_published_rows(tmp_pat
     assert cells[4] == "1.2500 [1.2500, 1.2500] (n = 3)"
     assert "| dp_muonbc | not run yet |" in table
     written = write_report(tmp_path)
-    assert [path.name for path in written] == ["fair.md", "paired_delta.png", "alignment_vs_snr.png"]
+    assert [path.name for path in written] == ["fair.md", "paired_delta.png", "alignment_vs_snr.png", "horizon_rates.png"]
     assert all(path.stat().st_size > 0 for path in written)
 
 
@@ -351,6 +352,11 @@ def test_h3_reads_the_matched_arm_against_dp_muon_at_every_rate(tmp_path, agains
     rows = {row[0]: row[1:] for row in table_rows(horizon_rates_markdown(tmp_path))}
     assert rows[f"DP-MuonBC (match_norm) − DP-Muon at {RATES[2]:.4g}"][:2] == [mean_ci(list(matched.values()))] * 2
     assert rows[f"DP-MuonBC (match_norm) − DP-Muon at {RATES[1]:.4g}"][0].startswith(f"{statistics.mean(against_slower[1]):+.4f} [")
+    # The figure: each slower arm's and the matched arm's curve against DP-Muon at its best rate, ending where the rule reads.
+    plotted = dict(horizon_rates_figure(tmp_path, tmp_path / "horizon_rates.png"))
+    slower = zip(slower_muon_rates(RATES[2]), against_slower)
+    expected = {f"DP-Muon at {lr:.4g} (n = 3)": statistics.mean(matched[s] - d for s, d in zip(SEEDS, deltas)) for lr, deltas in slower}
+    assert plotted == pytest.approx({**expected, "DP-MuonBC (match_norm) (n = 3)": statistics.mean(matched.values())})
 
 
 def test_h4_reads_dp_muonbc_against_its_split_rate_run(tmp_path):
