@@ -379,8 +379,12 @@ def test_a_position_is_skipped_only_when_its_output_gradient_is_exactly_zero():
     grads[0, 1, 3] = float("nan")
     grads[0, 2, 7] = float("-inf")
     grads[0, 3, 11] = -0.0
+    grads[0, 4, 13] = -1e-45  # a lone negative subnormal among zeros
+    grads[0, 5, 17] = float("nan")
+    grads[0, 5, 19] = -1.0  # a NaN beside a negative entry
     grads[1, 4] = torch.randn(50_000)
+    grads[1, 5, :100] = -0.0  # ±0 mixed
     inputs = torch.randn(2, 6, 4)
-    expected = torch.tensor([[True, True, True, False, False, False], [False, False, False, False, True, False]])
+    expected = torch.tensor([[True, True, True, False, True, True], [False, False, False, False, True, False]])
     assert torch.equal(Trace(inputs, grads).active(), expected)
     assert bool(Trace(inputs, grads, keep_all=True).active().all())

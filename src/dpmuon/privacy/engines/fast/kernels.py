@@ -191,9 +191,9 @@ def weighted_outer_sum(
         ac, bc = a[rows].reshape(-1, d_in), b[rows].reshape(-1, d_out)
         weights = scale[rows].repeat_interleave(positions)
         if active is not None and a.device.type == "cpu":  # on GPU the selection would sync per layer
-            keep = active[rows].reshape(-1)
-            if int(keep.sum()) < 0.9 * keep.numel():
-                ac, bc, weights = ac[keep], bc[keep], weights[keep]
+            keep = active[rows].reshape(-1).nonzero().squeeze(1)
+            if keep.numel() < 0.9 * ac.shape[0]:  # index_select copies rows faster than a boolean mask
+                ac, bc, weights = ac.index_select(0, keep), bc.index_select(0, keep), weights.index_select(0, keep)
         ac, bc = ac.float(), bc.float()
         if d_in <= d_out:
             ac = ac * weights[:, None]
