@@ -432,7 +432,7 @@ def published_seeds_note(root: Path) -> str:
 
 
 def write_report(root: Path, out: Path | None = None) -> list[Path]:
-    """fair.md and the two figures of the runs under `root`, written to `out` (default: `root`)."""
+    """fair.md and the figures of the runs under `root`, written to `out` (default: `root`)."""
     out = out or root
     out.mkdir(parents=True, exist_ok=True)
     table, figure, alignment, rates = out / "fair.md", out / "paired_delta.png", out / "alignment_vs_snr.png", out / "horizon_rates.png"
