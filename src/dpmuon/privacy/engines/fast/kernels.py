@@ -128,7 +128,7 @@ def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | 
 
     Float64 Grams but over a vocabulary: the sum cancels (see the package docstring). active
     [B, T]: the positions with a nonzero b_t (`Trace.active`); the others add nothing, so the CPU
-    path leaves them out of the T² cost — at the LM head, every prompt token.
+    path over a vocabulary leaves them out of the T² cost — at the LM head, every prompt token.
     """
     cpu = a.device.type == "cpu"
     if cpu and max(a.shape[2], b.shape[2]) >= WIDE_GRAM:
