@@ -293,10 +293,15 @@ def slower_muon_arms(root: Path) -> tuple[float | None, list[tuple[str, str]]]:
     return best, [(f"{lr:.4g}", tune_name("dp_muon", lr, 0).rsplit("_seed", 1)[0]) for lr in slower_muon_rates(best)]
 
 
+def horizon_rates_runs(root: Path) -> dict[str, Run]:
+    """The horizon's and horizon_rates' runs together: the add-on's arms pair with the horizon's."""
+    return {**load(root, "horizon"), **load(root, "horizon_rates")}
+
+
 def horizon_rates_rows(root: Path) -> tuple[dict[str, Run], list[tuple[str, str, str]]]:
-    """The horizon's and horizon_rates' runs together, and the add-on's comparisons (what, a, b: a − b)."""
+    """The add-on's runs (`horizon_rates_runs`) and its comparisons (what, a, b: a − b)."""
     best, slower = slower_muon_arms(root)
-    runs = {**load(root, "horizon"), **load(root, "horizon_rates")}
+    runs = horizon_rates_runs(root)
     if best is None:
         return runs, []
     rows = [(f"DP-MuonBC (match_norm) − DP-Muon at {best:.4g}", "dp_muonbc_matched", "dp_muon")]
@@ -312,7 +317,7 @@ def h3(root: Path) -> str:
     """H3, the norm-matched arm's late lead is the correction's direction, by the pre-registered rule
     (validation NLL at the last evaluation): the direction if it beats DP-Muon at every rate tried,
     a rate effect if DP-Muon at a slower rate does at least as well on average."""
-    runs, _ = horizon_rates_rows(root)
+    runs = horizon_rates_runs(root)
     best, slower = slower_muon_arms(root)
     against = [validation_deltas(runs, "dp_muonbc_matched", muon)[0] for muon in ["dp_muon", *(name for _, name in slower)]]
     if best is None or min(len(deltas) for deltas in against) < len(SEEDS):
@@ -326,7 +331,7 @@ def h3(root: Path) -> str:
 
 def h4(root: Path) -> str:
     """H4, DP-MuonBC's slower AdamW part is part of its late lead: DP-MuonBC − its split-rate run at the last evaluation."""
-    runs, _ = horizon_rates_rows(root)
+    runs = horizon_rates_runs(root)
     deltas = validation_deltas(runs, "dp_muonbc", "dp_muonbc_split")[0]
     if len(deltas) < len(SEEDS):
         return "waiting for the runs"
@@ -385,7 +390,7 @@ def horizon_rates_figure(root: Path, path: Path) -> list[tuple[str, float]]:
     """The add-on's arms against DP-Muon at its best rate along the horizon: paired Δ validation
     NLL, mean over the seeds with both curves (H3 reads the slower DP-Muon arms against the
     norm-matched one at the last step). Returns each plotted curve's label and last mean."""
-    runs, _ = horizon_rates_rows(root)
+    runs = horizon_rates_runs(root)
     best, slower = slower_muon_arms(root)
     arms = [*((f"DP-Muon at {rate}", name) for rate, name in slower), ("DP-MuonBC (match_norm)", "dp_muonbc_matched"),
             ("DP-MuonBC", "dp_muonbc"), ("DP-MuonBC, split rates", "dp_muonbc_split")]  # fmt: skip
