@@ -43,6 +43,28 @@ def test_grid_release_is_exactly_the_rounded_gaussian_of_the_float64_sum():
         assert Fraction(float(got[i])) == m * gamma, i
 
 
+def test_a_numpy_release_is_the_tensor_release_bit_for_bit():
+    """The CPU release noises its chunks in numpy, an accelerator in torch: the same bits, ties
+    (to even), signed zeros, sums near the grid's edge of exactness and non-finite sums included."""
+    std = 1.0  # γ = 1/8, s = 8: z = h/16 puts f + s·z on exact half steps
+    gamma = grid_step(std)
+    rng = np.random.default_rng(3)
+    ties = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5]) / 8
+    total = np.concatenate([rng.normal(size=500) * 3.7, np.zeros(6), [-0.0, 0.0, 1e-300, -1e-300, 2.0**51 * gamma, -(2.0**51) * gamma, np.inf, np.nan]])
+    z = np.concatenate([rng.standard_normal(500), ties, [0.0, -0.0, 0.0, 0.0, 0.25, -0.25, 0.0, 0.0]])
+    by_numpy = release_on_grid(total.copy(), std, z.copy())
+    by_torch = release_on_grid(torch.from_numpy(total.copy()), std, torch.from_numpy(z.copy())).numpy()
+    assert by_numpy.tobytes() == by_torch.tobytes()
+    assert list(by_numpy[500:506] / gamma) == [0.0, 2.0, 2.0, -0.0, -2.0, -2.0]  # the ties went to even
+    # A float32 draw is widened first, as the tensor path widens it: never noised in float32.
+    assert (
+        release_on_grid(total.copy(), std, z.astype(np.float32)).tobytes()
+        == release_on_grid(torch.from_numpy(total.copy()), std, torch.from_numpy(z.astype(np.float32))).numpy().tobytes()
+    )
+    with pytest.raises(OverflowError, match="too large"):
+        release_on_grid(np.array([2.0**52 * gamma]), std, np.zeros(1))
+
+
 def make_privatizer(tie: bool, secure: bool, seed: int = 0) -> Privatizer:
     model = tiny_gpt2(tie=tie, seed=1)
     names = [n for n, _ in model.named_parameters()]

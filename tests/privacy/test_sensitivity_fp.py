@@ -335,6 +335,28 @@ def test_lot_total_is_float64_for_every_lot():
     assert torch.allclose(summed["w"], exact, rtol=0, atol=1e-12)
 
 
+def test_lot_total_added_in_pieces_is_the_whole_add_bit_for_bit(monkeypatch):
+    """The CPU adds into a total piece by piece (LOT_TOTAL_PIECE elements): every piece, the last
+    short one and transposed (non-contiguous) parts added into a contiguous total included, gets
+    what one whole add gives it."""
+    from dpmuon.privacy.engines import base
+
+    monkeypatch.setattr(base, "LOT_TOTAL_PIECE", 7)
+    g = torch.Generator().manual_seed(2)
+    parts = [
+        {"w": torch.randn(6, 5, generator=g) * 10.0 ** float(i), "t": torch.randn(4, 6, generator=g).mT if i > -3 else torch.randn(6, 4, generator=g)}
+        for i in range(-3, 4)
+    ]
+    summed = {}
+    for part in parts:
+        base.add_to_lot_total(summed, part)
+    expected = {name: parts[0][name].double() for name in parts[0]}
+    for part in parts[1:]:
+        for name, value in part.items():
+            expected[name] += value
+    assert all(torch.equal(summed[name], expected[name]) for name in expected)
+
+
 def test_positions_without_output_gradient_are_skipped_exactly():
     """Zero b_t rows (padding, an unlabelled prompt at the LM head) leave the norms and the
     book-keeping sum unchanged when the kernels skip them."""

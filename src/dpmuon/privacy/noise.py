@@ -74,14 +74,13 @@ class GaussianNoise:
                 # A blocking copy: the buffer is refilled with later draws as soon as the release
                 # ends, and a copy still in flight would then carry pieces of them.
                 return release_on_grid(total, std, z.view(total.shape).to(total.device))
-            flat = total.view(-1)
-            self._each_chunk(_chunk_count(flat.numel()), lambda c: release_on_grid(flat[c * CHUNK : (c + 1) * CHUNK], std, z[c * CHUNK : (c + 1) * CHUNK]))
+            flat, drawn = total.view(-1).numpy(), z.numpy()  # numpy in the chunks' threads: release_on_grid says why
+            self._each_chunk(_chunk_count(flat.size), lambda c: release_on_grid(flat[c * CHUNK : (c + 1) * CHUNK], std, drawn[c * CHUNK : (c + 1) * CHUNK]))
             return total
         if total.device.type != "cpu":
             z = torch.from_numpy(self.standard_normal(total.numel())).view(total.shape)
             return release_on_grid(total, std, z)
-        flat = total.view(-1)
-        self._chunks(total.numel(), lambda piece, z: release_on_grid(piece, std, torch.from_numpy(z)), flat)
+        self._chunks(total.numel(), lambda piece, z: release_on_grid(piece, std, z), total.view(-1).numpy())
         return total
 
     def grid_release_slice(self, piece: torch.Tensor, std: float, size: int, start: int) -> torch.Tensor:

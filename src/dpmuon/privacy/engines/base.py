@@ -28,6 +28,11 @@ PerExampleLoss = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
 # nor their norms, so a filled-up micro-batch releases and reports exactly what its examples do.
 EXAMPLE_MASK = "example_mask"
 
+# Elements per add of an fp32 sum into a float64 lot total on the CPU: one mixed-dtype add over a
+# whole matrix ran at 0.6× the speed of adds over pieces of this size (GPT-2 small's 1.24e8
+# coordinates, 2 threads: 0.19 s against 0.12 s a micro-batch; the same values).
+LOT_TOTAL_PIECE = 1 << 20
+
 
 def example_rows(batch: Mapping[str, Any], size: int, device: torch.device) -> torch.Tensor:
     """[B] bool: which rows of the micro-batch are examples of the lot (all, without EXAMPLE_MASK)."""
@@ -53,10 +58,14 @@ def add_to_lot_total(total: dict[str, torch.Tensor], part: Mapping[str, torch.Te
     time depend on the lot's size — a timing channel constant-time lots exist to close.
     """
     for name, tensor in part.items():
-        if name in total:
-            total[name] += tensor
-        else:
+        if name not in total:
             total[name] = tensor.double()
+        elif total[name].device.type == "cpu" and total[name].is_contiguous():
+            into, added = total[name].view(-1), tensor.reshape(-1)
+            for start in range(0, into.numel(), LOT_TOTAL_PIECE):
+                into[start : start + LOT_TOTAL_PIECE] += added[start : start + LOT_TOTAL_PIECE]
+        else:
+            total[name] += tensor
 
 
 def full_precision(device: torch.device) -> contextlib.AbstractContextManager:
