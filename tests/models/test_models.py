@@ -59,10 +59,11 @@ def test_the_architecture_option_offers_exactly_the_registered_families():
 
 
 @pytest.mark.parametrize("left_pad", [False, True])
-def test_per_example_loss_shifts_the_labels_and_gives_the_sliced_logits_gradient_bit_for_bit(left_pad):
-    """The loss predicts each label from the position before it: the same losses and the same
-    gradient, bit for bit, as the textbook form that slices off the last position's logits (which
-    copies a [B, T, vocab] tensor forward and zero-fills another backward)."""
+def test_per_example_loss_shifts_the_labels_and_matches_cross_entropy_of_the_sliced_logits(left_pad):
+    """The loss predicts each label from the position before it (labels shifted, never the
+    logits sliced: that copies a [B, T, vocab] tensor forward and zero-fills another backward), and
+    its own cross-entropy (`TokenNLL`) gives F.cross_entropy's losses and gradient to float
+    rounding, with exact zeros wherever nothing is predicted: the engines skip those positions."""
     batch = token_batch(4, seed=3, left_pad=left_pad)
     logits = torch.randn(4, batch["input_ids"].shape[1], VOCAB, generator=torch.Generator().manual_seed(0), requires_grad=True)
 
@@ -76,6 +77,27 @@ def test_per_example_loss_shifts_the_labels_and_gives_the_sliced_logits_gradient
     nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
     expected = nll.sum(1) / (labels != IGNORE_INDEX).sum(1).clamp_min(1)
     (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
-    assert torch.equal(losses, expected)
-    assert torch.equal(grad, expected_grad)
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-8)
+    assert torch.equal(grad.ne(0).any(-1), expected_grad.ne(0).any(-1))  # the same positions exactly zero
     assert not grad[:, -1].any()  # the last position predicts nothing
+
+
+def test_token_nll_is_stable_at_extreme_logits_and_zero_where_ignored():
+    """Logits far apart (a softmax of exact 0s and 1s) give finite losses and the float64
+    reference's gradient; an all-ignored batch gives zero losses and an all-zero gradient."""
+    from dpmuon.models.lm import TokenNLL
+
+    logits = torch.tensor([[1e4, -1e4, 0.0], [-3e4, 3e4, 2e4], [5.0, 5.0, 5.0]], requires_grad=True)
+    labels = torch.tensor([1, 1, IGNORE_INDEX])
+    weights = torch.tensor([0.5, 2.0, 7.0])
+    nll = TokenNLL.apply(logits, labels)
+    (grad,) = torch.autograd.grad((nll * weights).sum(), logits)
+    reference = logits.detach().double().requires_grad_()
+    ref_nll = F.cross_entropy(reference, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    (ref_grad,) = torch.autograd.grad((ref_nll * weights.double()).sum(), reference)
+    torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=1e-6)
+    assert torch.equal(grad[2], torch.zeros(3))
+    ignored = TokenNLL.apply(logits, torch.full((3,), IGNORE_INDEX))
+    assert torch.equal(ignored, torch.zeros(3)) and not torch.autograd.grad(ignored.sum(), logits)[0].any()
