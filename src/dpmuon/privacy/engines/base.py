@@ -29,8 +29,8 @@ PerExampleLoss = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
 EXAMPLE_MASK = "example_mask"
 
 # Elements per add of an fp32 sum into a float64 lot total on the CPU: one mixed-dtype add over a
-# whole matrix ran at 0.6× the speed of adds over pieces of this size (GPT-2 small's 1.24e8
-# coordinates, 2 threads: 0.19 s against 0.12 s a micro-batch; the same values).
+# whole matrix took 2.5× as long as adds over pieces of this size, with the same values
+# (scripts/bench_lot_total.py, GPT-2 small's shapes, 2 threads: 0.27 s against 0.11 s a micro-batch).
 LOT_TOTAL_PIECE = 1 << 20
 
 
