@@ -18,7 +18,7 @@ from dpmuon.eval.study import from_summary, read_run
 from dpmuon.privacy.accountant import epsilon_after
 from dpmuon.privacy.ledger import LEDGER_FILE
 from dpmuon.privacy.mechanism import MechanismSettings, build_mechanism
-from dpmuon.privacy.randomness import LENGTHS_DOMAIN, SecretStream
+from dpmuon.privacy.randomness import LENGTHS_DOMAIN, MechanismRandomness, SecretStream
 
 N, MAX_LENGTH = 3000, 100
 LENGTHS = np.clip(np.random.default_rng(0).normal(53, 13, N).round(), 20, MAX_LENGTH).astype(int).tolist()
@@ -65,11 +65,18 @@ def test_a_resume_reads_the_release_back_and_never_draws_it_again(tmp_path):
     assert elsewhere.plan.max_lot_size == first.plan.max_lot_size  # B_max needs only N
 
 
-def test_a_ledger_without_the_release_is_not_continued_with_one(tmp_path):
-    mechanism(tmp_path, MechanismSettings(**{**SETTINGS.__dict__, "width_buckets": 1}))
-    assert "length_release" not in header(tmp_path)
-    with pytest.raises(UserError, match="length_release"):
-        mechanism(tmp_path)
+def test_a_ledger_without_the_release_is_not_continued_with_one_and_nothing_is_drawn_for_it(tmp_path, monkeypatch):
+    one_width = MechanismSettings(**{**SETTINGS.__dict__, "width_buckets": 1})
+    mechanism(tmp_path / "one", one_width)
+    assert "length_release" not in header(tmp_path / "one")
+    mechanism(tmp_path / "widths")
+    # Refused before a histogram is drawn: a release made for a run that is then refused would be charged nowhere.
+    monkeypatch.setattr(MechanismRandomness, "length_stream", lambda self: pytest.fail("a length release was drawn"))
+    with pytest.raises(UserError, match=r"rows were one width \(it released no length histogram\); continue it with width_buckets=1"):
+        mechanism(tmp_path / "one")
+    # The other way round, the refusal names each side's release by its σ, never by its counts.
+    with pytest.raises(UserError, match=r"records length_release=a length histogram release \(σ=2\), this run has no length histogram release$"):
+        mechanism(tmp_path / "widths", one_width)
 
 
 def test_the_histogram_noise_shares_no_draw_with_the_steps():

@@ -84,9 +84,9 @@ def header_history(header: Mapping) -> list[tuple[float, float, int]]:
     return [(float(release["noise_multiplier"]), 1.0, 1)] if release else []
 
 
-def stored_length_release(path: Path) -> dict | None:
-    """The length histogram release the ledger at `path` records in its header (None: no ledger,
-    or a run that made none). Read before the plan, which depends on it; the ledger's own checks
+def ledger_header(path: Path) -> dict | None:
+    """The header of the ledger at `path` (None: no ledger, or no header that reached the disk
+    whole). Read before the plan, which depends on its length release; the ledger's own checks
     run when it is opened."""
     try:
         with open(path, "rb") as f:
@@ -99,7 +99,15 @@ def stored_length_release(path: Path) -> dict | None:
         header = json.loads(first)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None  # opening the ledger names the damage
-    return header.get("length_release") if isinstance(header, dict) else None
+    return header if isinstance(header, dict) else None
+
+
+def identity_value(key: str, value: object) -> str:
+    """A header's identity value as a refusal names it: a length release by its σ alone (a release
+    drawn for a run that is then refused is never charged, so its counts are never printed)."""
+    if key == "length_release":
+        return f"a length histogram release (σ={value['noise_multiplier']:g})" if isinstance(value, dict) else "no length histogram release"
+    return repr(value)
 
 
 def line_hash(line: bytes) -> str:
@@ -179,7 +187,9 @@ class PrivacyLedger:
             )
         for key in IDENTITY:
             if stored.get(key) != header.get(key):
-                raise LedgerMismatchError(f"{self.path}: the ledger records {key}={stored.get(key)!r}, this run has {header.get(key)!r}")
+                raise LedgerMismatchError(
+                    f"{self.path}: the ledger records {key}={identity_value(key, stored.get(key))}, this run has {identity_value(key, header.get(key))}"
+                )
         if torn:  # a release never used: set the whole file aside and keep its intact lines
             self._set_aside_torn_tail(data[: len(data) - len(torn)])
         self.header = stored

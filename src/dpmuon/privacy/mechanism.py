@@ -25,7 +25,7 @@ from ..errors import UserError
 from .accountant import PrivacyAccountant
 from .blocks import BlockPartition, build_partition, partition_summary
 from .distributed import SINGLE, DataParallel
-from .ledger import LEDGER_FILE, LedgerIntegrityError, LedgerMismatchError, PrivacyLedger, stored_length_release
+from .ledger import LEDGER_FILE, LedgerIntegrityError, LedgerMismatchError, PrivacyLedger, ledger_header
 from .lot_bound import bucketed_lot_bound, length_histogram, lot_bound
 from .noise import GaussianNoise
 from .plan import PrivacyPlan, check_private_inputs, make_plan, plan_length, within_budget
@@ -178,7 +178,13 @@ def length_release(
     l tokens plus N(0, σ²), on the grid), read back from the ledger's header of a run that made
     it — a resume never draws it again — else drawn from the noise key's lengths domain (the OS
     CSPRNG in secure mode) on rank 0 and shared. open_ledger records it before it is used."""
-    stored = stored_length_release(Path(run_dir) / LEDGER_FILE) if run_dir is not None and parallel.is_main else None
+    header = ledger_header(Path(run_dir) / LEDGER_FILE) if run_dir is not None and parallel.is_main else None
+    if header is not None and not header.get("length_release"):  # refused before a release is drawn that nothing would charge
+        raise UserError(
+            f"cannot continue this run directory: {Path(run_dir) / LEDGER_FILE} is a run whose rows were one width (it released no "
+            "length histogram); continue it with width_buckets=1 (the driver: privacy.width_buckets=1), or start a new run directory"
+        )
+    stored = header.get("length_release") if header is not None else None
     if stored is None and parallel.is_main:
         counts = torch.from_numpy(length_histogram(example_lengths, max_length))
         noise = GaussianNoise(randomness.length_stream(), secure=randomness.secure, threads=1)
