@@ -81,8 +81,10 @@ def test_the_release_equals_the_drivers_mechanism_for_the_same_lot_and_seed(tmp_
         run_dir=tmp_path / "driver",
         dataset_name="custom",
         log=lambda message: None,
+        example_lengths=[LENGTH] * N,  # the façade measures every row's length from its attention mask
+        max_length=LENGTH,
     )
-    assert private.plan == driver.plan
+    assert private.plan == driver.plan and private.plan.widths == ((LENGTH, private.plan.max_lot_size),)
     lot = next(private.lots())
     assert lot.indices == driver.next_lot() and len(lot) > 0
     private.release(lot)
@@ -103,7 +105,9 @@ def test_epsilon_is_the_plans_and_the_ledger_records_every_release(tmp_path):
         released += 1
     plan = private.plan
     assert released == plan.steps == 3
-    assert private.epsilon == plan.planned_epsilon == epsilon_after(plan.noise_multiplier, plan.sample_rate, 3, plan.delta, "rdp", plan.slack)
+    # The length histogram's release (rows in widths, measured from the attention mask) is charged first.
+    assert plan.prior == ((20.0, 1.0, 1),)
+    assert private.epsilon == plan.planned_epsilon == epsilon_after(plan.noise_multiplier, plan.sample_rate, 3, plan.delta, "rdp", plan.slack, plan.prior)
     lines = [json.loads(line) for line in (tmp_path / "run" / LEDGER_FILE).read_text().splitlines()]
     assert lines[0]["kind"] == "header" and lines[0]["dataset_size"] == N
     assert [(r["step"], r["charged"]) for r in lines[1:]] == [(1, True), (2, True), (3, True)]
@@ -245,6 +249,128 @@ def test_constant_time_lots_run_the_same_micro_batches_whatever_their_size_and_l
     assert ledger_steps(tmp_path) == [(1, True), (2, True), (3, True)]
 
 
+# Rows in a few widths need a length spread the histogram's release can resolve: 3/4 of the examples
+# short, 1/4 long, padded to WIDE; σ = 1 for the release (a test's ε, not a default).
+WIDE, MANY = 40, 256
+WIDTHS = dict(SETTINGS, expected_lot_size=16, length_noise_multiplier=1.0, micro_batch_size=8)
+
+
+def short_and_long() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    lengths = [int(n) for n in torch.randint(2, 9, (MANY * 3 // 4,), generator=g)] + [int(n) for n in torch.randint(33, WIDE + 1, (MANY // 4,), generator=g)]
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def wide_model() -> nn.Module:
+    return build_random_lm("gpt2", Shape(VOCAB, n_layer=1, n_embd=16, n_head=2, n_positions=WIDE), seed=0).train()
+
+
+def pad_wide(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return padded(rows, width=WIDE)
+
+
+class ListedLots(PatternLots):
+    """These lots in turn, cut to the constant-time bound as the real sampler does."""
+
+    def __init__(self, lots, max_lot_size):
+        super().__init__([], max_lot_size)
+        self.lots = lots
+
+    def next_lot(self):
+        self.step += 1
+        return list(self.lots[(self.step - 1) % len(self.lots)])[: self.max_lot_size]
+
+
+def test_rows_in_widths_run_the_same_micro_batches_for_lots_of_the_longest_and_the_shortest(tmp_path, monkeypatch):
+    data = short_and_long()
+    by_length = sorted(range(MANY), key=lambda i: len(data[i]))
+    lots = [by_length[-16:], by_length[:16], [], by_length[-1000:]]  # the longest, the shortest, none, all (cut to B_max)
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: ListedLots(lots, max_lot_size))
+    seen = spy_on_the_engine(monkeypatch)
+    private = dpmuon.make_private(
+        wide_model(), data, pad_wide, per_example_lm_loss, run_dir=tmp_path, steps=4, **{k: v for k, v in WIDTHS.items() if k != "steps"}
+    )
+    plan = private.plan
+    # The widths come from the length histogram's release, recorded in the ledger's header and charged first.
+    header = json.loads((tmp_path / LEDGER_FILE).read_text().splitlines()[0])
+    assert header["length_release"]["noise_multiplier"] == 1.0 and plan.prior == ((1.0, 1.0, 1),)
+    assert len(plan.widths) >= 2 and plan.widths[0][0] == WIDE and sum(rows for _, rows in plan.widths) == plan.max_lot_size
+    sizes = []
+    for lot in private.lots():
+        private.release(lot)
+        sizes.append(len(lot))
+    assert sizes == [16, 16, 0, plan.max_lot_size]
+    steps = [seen[i : i + len(seen) // 4] for i in range(0, len(seen), len(seen) // 4)]
+    shapes = [[tuple(sorted((k, v) for k, v in b.items() if k != "examples")) for b in step] for step in steps]
+    assert shapes[0] == shapes[1] == shapes[2] == shapes[3]  # the same micro-batches whatever the lot
+    assert {b[0][1][1] for b in shapes[0]} == {width for width, _ in plan.widths}  # in the plan's widths, no wider
+    assert [sum(b["examples"] for b in step) for step in steps] == sizes  # every example placed (none was left out)
+    # No micro-batch holds more tokens than a full-width one.
+    assert all(b["input_ids"][0] * b["input_ids"][1] <= 8 * WIDE for b in seen)
+
+
+def test_rows_in_widths_release_what_one_width_releases(tmp_path, monkeypatch):
+    monkeypatch.setenv(MECHANISM_SEED_ENV, str(SEED))  # the same noise in both runs
+    data = short_and_long()
+    by_length = sorted(range(MANY), key=lambda i: len(data[i]))
+    lot = by_length[-10:] + by_length[:30]  # more than the widest rows hold: short ones go to narrow rows
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: ListedLots([lot], max_lot_size))
+    seen = spy_on_the_engine(monkeypatch)
+    grads = {}
+    for name, buckets in (("widths", 8), ("one_width", 1)):
+        private = dpmuon.make_private(wide_model(), data, pad_wide, per_example_lm_loss, run_dir=tmp_path / name, **WIDTHS, width_buckets=buckets)
+        assert (len(private.plan.widths or ()) >= 2) == (buckets > 1) and private.plan.max_lot_size >= len(lot)
+        private.release(next(private.lots()))
+        grads[name] = {n: p.grad for n, p in private.params.items()}
+        if buckets > 1:
+            assert any(b["examples"] and b["input_ids"][1] < WIDE for b in seen)  # some examples' rows were cut
+    for n, g in grads["widths"].items():
+        assert torch.allclose(g, grads["one_width"][n], rtol=0, atol=1e-6), n  # cutting padding off moves a row by fp32 rounding only
+
+
+def test_rows_in_widths_refuse_what_would_let_the_width_move_a_gradient(tmp_path, capsys, monkeypatch):
+    data = short_and_long()
+
+    def by_padded_width(model, batch):  # a loss that scales with the padded width: the row's width would move it
+        return per_example_lm_loss(model, batch) * batch["input_ids"].shape[1]
+
+    with pytest.raises(UserError, match=r"^width_buckets: example \d+'s loss .* trailing padding columns cut off.*width_buckets=1") as refused:
+        dpmuon.make_private(wide_model(), data, pad_wide, by_padded_width, run_dir=tmp_path / "a", **WIDTHS)
+    assert "\n" not in str(refused.value) and not (tmp_path / "a").exists()
+    private = dpmuon.make_private(wide_model(), data, pad_wide, by_padded_width, run_dir=tmp_path / "b", **WIDTHS, width_buckets=1)
+    assert private.plan.widths is None and private.plan.prior == ()  # one width: nothing about the lengths released
+
+    # Batches with no attention mask to cut by, or half-precision weights: one width, said.
+    def renamed(rows):  # the padding mask under another key
+        batch = pad_wide(rows)
+        return {"input_ids": batch["input_ids"], "labels": batch["labels"], "mask": batch["attention_mask"]}
+
+    def loss(model, batch):
+        return per_example_lm_loss(model, {"input_ids": batch["input_ids"], "labels": batch["labels"], "attention_mask": batch["mask"]})
+
+    private = dpmuon.make_private(wide_model(), data, renamed, loss, run_dir=tmp_path / "c", **WIDTHS)
+    assert (
+        private.plan.widths is None
+        and "constant-time rows all collate_fn's width: collate_fn's batches have no [rows, width] 'attention_mask'" in capsys.readouterr().err
+    )
+    # A collate_fn that later gives an example more tokens than make_private measured: refused before anything is charged.
+    longer = {"now": False}
+
+    def changing(rows):
+        batch = pad_wide(rows)
+        if longer["now"]:
+            batch["attention_mask"][:, :] = 1
+        return batch
+
+    every = list(range(MANY))  # a lot cut to B_max fills the narrow rows too
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: ListedLots([every], max_lot_size))
+    private = dpmuon.make_private(wide_model(), data, changing, per_example_lm_loss, run_dir=tmp_path / "d", **WIDTHS)
+    longer["now"] = True
+    with pytest.raises(UserError, match=r"^make_private: collate_fn gave an example more attended or supervised columns"):
+        private.release(next(private.lots()))
+    assert ledger_steps(tmp_path / "d") == [] and all(p.grad is None for p in private.params.values())
+
+
 def test_filler_rows_add_exactly_nothing_whatever_they_hold(tmp_path, monkeypatch):
     monkeypatch.setenv(MECHANISM_SEED_ENV, str(SEED))  # the same lot and noise in every run
     grads = {}
@@ -268,10 +394,15 @@ def test_micro_batches_of_varying_shapes_are_refused_in_one_line(tmp_path, monke
             tiny_model(), [torch.tensor([1])] + varied_lengths()[1:], longest, per_example_lm_loss, run_dir=tmp_path / "a", **SETTINGS, micro_batch_size=8
         )
     assert "\n" not in str(refused.value) and not (tmp_path / "a").exists()  # refused before the mechanism exists
-    # The first micro-batch's examples all as long as the first: the release's own check refuses, before anything is charged.
+    # The first micro-batch's examples all as long as the first. Rows in widths measure every example's length first,
+    # and that refuses the narrower micro-batches before the mechanism exists; in one width, the release's own check
+    # refuses, before anything is charged.
     data = [torch.arange(LENGTH) % VOCAB] * 8 + [row[: LENGTH // 2] for row in varied_lengths()[8:]]
+    with pytest.raises(UserError, match=r"^make_private: constant_time=True needs one shape .*'attention_mask' of shape \(8, 4\) where the first had \(8, 8\)"):
+        dpmuon.make_private(tiny_model(), data, longest, per_example_lm_loss, run_dir=tmp_path / "b", **SETTINGS, micro_batch_size=8)
+    assert not (tmp_path / "b").exists()
     monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots([N], max_lot_size))
-    private = dpmuon.make_private(tiny_model(), data, longest, per_example_lm_loss, run_dir=tmp_path / "b", **SETTINGS, micro_batch_size=8)
+    private = dpmuon.make_private(tiny_model(), data, longest, per_example_lm_loss, run_dir=tmp_path / "b", **SETTINGS, micro_batch_size=8, width_buckets=1)
     with pytest.raises(UserError, match=r"^make_private: constant_time=True needs one shape"):
         private.release(next(private.lots()))
     assert ledger_steps(tmp_path / "b") == [] and all(p.grad is None for p in private.params.values())

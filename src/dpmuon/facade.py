@@ -13,7 +13,10 @@ fsynced hash-chained ledger in `run_dir`, accountant and budget guard. What this
 the refusal of what would void the guarantee in code the driver does not control: batch-norm in
 train mode, shuffled lots without an explicit opt-in, a lot that is not the next one drawn
 (hand-built, edited, released twice, skipped or out of order), a data set that cannot be
-indexed, and — with constant-time lots, the default — micro-batches whose shapes vary.
+indexed, and — with constant-time lots, the default — micro-batches whose shapes vary. Where
+collate_fn's batches carry an attention mask, constant-time rows come in the driver's few fixed
+widths (privacy.width_buckets), cut from collate_fn's width, after a check that cutting padding
+off moves no example's loss.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .data.encoding import IGNORE_INDEX
 from .errors import UserError, one_line
 from .models import hidden_matrices
-from .privacy.conformance import check_user_code
+from .privacy.conformance import check_padding_cut, check_user_code
 from .privacy.engines import PerExampleLoss
 from .privacy.engines.base import EXAMPLE_MASK
-from .privacy.mechanism import Mechanism, MechanismSettings, build_mechanism, check_plan_inputs
+from .privacy.lot_bound import bucket_micro_batches, micro_batch_members
+from .privacy.mechanism import Mechanism, MechanismSettings, buckets_by_width, build_mechanism, check_plan_inputs
 from .privacy.plan import check_resume_compatible
 from .privacy.privatizer import ReleaseStats
 from .privacy.randomness import USER_SEED
@@ -56,6 +61,9 @@ from .privacy.state import (
 
 # The example whose rows fill a constant-time micro-batch up (any would do: filler rows add nothing).
 FILLER_EXAMPLE = 0
+# The batch key whose zeros mark a row's padding (Hugging Face's): with it, constant-time rows come
+# in a few fixed widths (privacy.width_buckets), each cut from the width collate_fn pads to.
+PADDING_MASK = "attention_mask"
 
 
 def say(message: str) -> None:
@@ -78,9 +86,22 @@ class Lot:
 
     def micro_batches(self) -> Iterator[Any]:
         """The collated micro-batches the release processes: at most `micro_batch_size` examples
-        each; with constant-time lots always the same number of micro-batches of that many rows,
-        filler rows marked False in batch[EXAMPLE_MASK]."""
+        each; with constant-time lots always the same micro-batches, filler rows marked False in
+        batch[EXAMPLE_MASK] (in width buckets, each width's micro-batches hold the tokens of
+        `micro_batch_size` full-width rows)."""
         return self._batches()
+
+
+@dataclass(frozen=True)
+class RowWidths:
+    """Constant-time rows in the plan's widths: every example's length (private: used only to
+    place it), the width collate_fn pads to, each width's micro-batches (width, count, rows each:
+    lot_bound.bucket_micro_batches) and the tensor shapes of a micro-batch of (rows, width)."""
+
+    lengths: list[int]
+    max_length: int
+    micro_batches: tuple[tuple[int, int, int], ...]
+    shapes: dict[tuple[int, int], dict[str, tuple[int, ...]]]
 
 
 class PrivateTraining:
@@ -96,6 +117,7 @@ class PrivateTraining:
         micro_batch_size: int,
         run_dir: Path,
         shapes: dict[str, tuple[int, ...]] | None = None,
+        lengths: list[int] | None = None,
     ):
         self.model, self.dataset, self.collate_fn, self.loss_fn = model, dataset, collate_fn, loss_fn
         self.mechanism = mechanism
@@ -108,6 +130,9 @@ class PrivateTraining:
         # The engines read the filler rows' mask; loss_fn sees the batch as collate_fn made it.
         self._release_loss = loss_fn if self.padded_rows is None else without_example_mask(loss_fn)
         self.shapes = shapes  # constant-time lots: every micro-batch's tensor shapes (`fixed_shapes`)
+        # Constant-time rows in the plan's widths (None: every row collate_fn's width).
+        widths = mechanism.plan.widths
+        self.widths = row_widths(lengths, widths, shapes[PADDING_MASK][1], micro_batch_size, collate_fn, dataset) if lengths and widths else None
         # Lots are numbered as drawn, after the steps of a ledger the run directory already holds.
         self.next_step = 1 + max((r["step"] for r in mechanism.ledger.releases), default=0) if mechanism.ledger else 1
         # Drawn and not yet released, in the order drawn: (lot, its step, its indices as drawn).
@@ -281,6 +306,10 @@ class PrivateTraining:
             for start in range(0, len(indices), size):
                 yield self._collated(list(indices[start : start + size]))
             return
+        if self.widths is not None:  # each width's micro-batches, the lot's examples placed longest first
+            for width, rows, members in micro_batch_members([self.widths.lengths[i] for i in indices], self.widths.micro_batches):
+                yield self._padded([indices[j] for j in members], rows, width)
+            return
         # ⌈B_max / micro_batch_size⌉ micro-batches whatever the lot's size (the sampler cut a larger one).
         for start in range(0, self.padded_rows, size):
             yield self._padded(list(indices[start : start + size]))
@@ -289,17 +318,22 @@ class PrivateTraining:
         device = next(iter(self.params.values())).device
         return to_device(self.collate_fn([self.dataset[i] for i in indices]), device)
 
-    def _padded(self, indices: list[int]) -> dict[str, Any]:
-        """A constant-time micro-batch: the examples, then filler rows up to micro_batch_size.
+    def _padded(self, indices: list[int], rows: int | None = None, width: int | None = None) -> dict[str, Any]:
+        """A constant-time micro-batch: the examples, then filler rows up to `rows` (default
+        micro_batch_size); with `width`, its rows cut to that many columns (`cut_to_width`).
 
         A filler row is example 0 again, fetched and collated as any row is (so it costs what a
         real one costs), and marked False in EXAMPLE_MASK: the engines give it factor 0 and leave
         it out of every count, so whatever it holds it adds exactly nothing to the release."""
-        filler = self.micro_batch_size - len(indices)
-        batch = collated_mapping(self.collate_fn, [self.dataset[i] for i in indices + [FILLER_EXAMPLE] * filler])
-        check_same_shapes(tensor_shapes(batch), self.shapes)
+        rows = rows or self.micro_batch_size
+        batch = collated_mapping(self.collate_fn, [self.dataset[i] for i in indices + [FILLER_EXAMPLE] * (rows - len(indices))])
+        if width is None:
+            check_same_shapes(tensor_shapes(batch), self.shapes)
+        else:
+            batch = cut_to_width(batch, width, self.widths.max_length, examples=len(indices))
+            check_same_shapes(tensor_shapes(batch), self.widths.shapes[(rows, width)])
         device = next(iter(self.params.values())).device
-        return to_device({**batch, EXAMPLE_MASK: torch.arange(self.micro_batch_size) < len(indices)}, device)
+        return to_device({**batch, EXAMPLE_MASK: torch.arange(rows) < len(indices)}, device)
 
 
 def make_private(
@@ -332,11 +366,16 @@ def make_private(
     `constant_time` (True by default): every release runs the same micro-batches, filled up to
     B_max rows that add nothing (docs/privacy.md#constant-time-lots), so collate_fn must give
     them one shape (a fixed width); False: lots as drawn, whose step times must not be published.
+    Where its batches carry an `attention_mask`, the rows come in up to `width_buckets` fixed
+    widths, cut from that width: the length histogram is released once for them (charged, in the
+    ledger's header), and every example's length is the columns up to its last attended or
+    supervised (labels ≠ -100) one; `width_buckets=1` keeps every row collate_fn's width.
     """
     settings = facade_settings(privacy, epochs, steps)
     refuse_unsafe_arguments(model, train_dataset, epochs, steps, settings.sampling, allow_shuffle_sampling, micro_batch_size)
     check_plan_inputs(settings, len(train_dataset))
     shapes = checked_user_code(model, train_dataset, collate_fn, loss_fn, micro_batch_size, settings.constant_time)
+    lengths = lengths_for_widths(model, train_dataset, collate_fn, loss_fn, micro_batch_size, settings) if shapes is not None else None
     secret = user_seed(settings.mechanism_seed_file, seed_file_key="mechanism_seed_file")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -344,13 +383,14 @@ def make_private(
     try:
         matrices = hidden_matrices(model)
         mechanism = build_mechanism(
-            model, len(train_dataset), settings, hidden_matrices=matrices, user_secret=secret, run_dir=run_dir, dataset_name=dataset_name, log=say
-        )
+            model, len(train_dataset), settings, hidden_matrices=matrices, user_secret=secret, run_dir=run_dir, dataset_name=dataset_name, log=say,
+            example_lengths=lengths, max_length=shapes[PADDING_MASK][1] if lengths is not None else None,
+        )  # fmt: skip
     except ValueError as err:  # the partition's or the engine's: a setting or a layer it cannot privatize
         raise UserError(f"make_private: {one_line(err)}") from None
     if not settings.constant_time:
         say("constant_time=False: step times track the secret lot sizes; publish none of them (per-step timestamps, W&B system metrics, profiles)")
-    return PrivateTraining(model, train_dataset, collate_fn, loss_fn, mechanism, micro_batch_size, run_dir, shapes)
+    return PrivateTraining(model, train_dataset, collate_fn, loss_fn, mechanism, micro_batch_size, run_dir, shapes, lengths)
 
 
 # PrivacySettings options make_private does not take: the driver's bookkeeping of its own run folder.
@@ -442,6 +482,80 @@ def fixed_shapes(dataset: Sequence, collate_fn: Callable, micro_batch_size: int)
     first = [dataset[i] for i in range(min(micro_batch_size, len(dataset)))]
     check_same_shapes(tensor_shapes(collated_mapping(collate_fn, first + [filler] * (micro_batch_size - len(first)))), shapes)
     return shapes
+
+
+def lengths_for_widths(model: nn.Module, dataset: Sequence, collate_fn: Callable, loss_fn: PerExampleLoss, micro_batch_size: int, settings) -> list[int] | None:
+    """Every example's length (`row_lengths`, as collate_fn pads it) where constant-time rows can
+    come in a few widths, checked first on the first examples (`check_padding_cut`); None where
+    they cannot (said): one width, nothing released. Whether they can depends on the settings, the
+    parameters' dtype and the structure of collate_fn's batches, never on the examples' values."""
+    if not buckets_by_width(settings):
+        return None
+    first = collated_mapping(collate_fn, [dataset[i] for i in range(min(micro_batch_size, len(dataset)))])
+    why = why_one_width(model, first)
+    if why:
+        say(f"constant-time rows all collate_fn's width: {why}")
+        return None
+    max_length = first[PADDING_MASK].shape[1]
+    lengths = []
+    for start in range(0, len(dataset), micro_batch_size):  # collated as the release collates them
+        rows = [dataset[i] for i in range(start, min(start + micro_batch_size, len(dataset)))]
+        lengths += row_lengths(collated_mapping(collate_fn, rows), max_length).tolist()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    cut = cut_to_width(first, max(1, int(row_lengths(first, max_length).max())), max_length)
+    check_padding_cut(model, loss_fn, to_device(first, device), to_device(cut, device))
+    return lengths
+
+
+def why_one_width(model: nn.Module, batch: Mapping) -> str | None:
+    """Why rows cannot come in a few widths (None if they can): half-precision parameters (kernels
+    round by shape, so a row's width would move its contribution), or a batch whose tensors are not
+    [rows] and [rows, max_length, …] with a [rows, max_length] PADDING_MASK to cut them by."""
+    half = next((n for n, p in model.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)), None)
+    if half is not None:
+        return f"parameter {half!r} is {dict(model.named_parameters())[half].dtype}, and half-precision kernels round by shape"
+    mask = batch.get(PADDING_MASK)
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        return f"collate_fn's batches have no [rows, width] {PADDING_MASK!r} marking each row's padding"
+    for key, value in batch.items():
+        if not (isinstance(value, torch.Tensor) and (value.dim() == 1 or value.shape[1] == mask.shape[1])):
+            what = f"of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+            return f"collate_fn's {key!r} is {what}, neither [rows] nor [rows, {mask.shape[1]}, …]"
+    return None
+
+
+def row_lengths(batch: Mapping, max_length: int) -> torch.Tensor:
+    """Each row's length: 1 + its last column attended (PADDING_MASK ≠ 0) or supervised (labels ≠
+    -100), so that cutting the row to any width at least that long drops only padding."""
+    mask = batch[PADDING_MASK]
+    check_same_shapes({PADDING_MASK: tuple(mask.shape)}, {PADDING_MASK: (mask.shape[0], max_length)})
+    used = mask != 0
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
+        used = used | (labels != IGNORE_INDEX)
+    return (used.cpu() * torch.arange(1, max_length + 1)).amax(dim=1)
+
+
+def cut_to_width(batch: Mapping, width: int, max_length: int, examples: int | None = None) -> dict[str, Any]:
+    """The batch's [rows, max_length, …] tensors cut to their first `width` columns. With
+    `examples`: refused if one of the first `examples` rows is longer than `width` now, while
+    its row was chosen from the length measured at make_private (collate_fn must collate an
+    example the same way every time)."""
+    if examples and int(row_lengths(batch, max_length)[:examples].max()) > width:
+        raise UserError(
+            f"make_private: collate_fn gave an example more attended or supervised columns than when make_private measured it, so the "
+            f"row of {width} columns placed for it would cut its tokens; collate each example the same way every time — nothing was charged"
+        )
+    return {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == max_length else v for k, v in batch.items()}
+
+
+def row_widths(lengths: list[int], buckets, max_length: int, micro_batch_size: int, collate_fn: Callable, dataset: Sequence) -> RowWidths:
+    """The plan's widths (buckets: (width, rows), widest first) as micro-batches of at most
+    micro_batch_size full-width rows' tokens each, with the shapes every one of them must have."""
+    micro_batches = bucket_micro_batches(buckets, micro_batch_size * max_length)
+    filler = dataset[FILLER_EXAMPLE]
+    shapes = {(rows, width): tensor_shapes(cut_to_width(collated_mapping(collate_fn, [filler] * rows), width, max_length)) for width, _, rows in micro_batches}
+    return RowWidths(lengths, max_length, micro_batches, shapes)
 
 
 def collated_mapping(collate_fn: Callable, rows: list[Any]) -> Mapping:

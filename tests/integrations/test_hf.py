@@ -19,7 +19,7 @@ import accelerate.accelerator
 import datasets
 import pytest
 import torch
-from test_facade import PatternLots, padded, spy_on_the_engine
+from test_facade import WIDE, ListedLots, PatternLots, padded, short_and_long, spy_on_the_engine, wide_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 
@@ -99,7 +99,7 @@ def test_a_tiny_model_trains_with_epsilon_logged_and_written_beside_the_ledger(t
     assert not any(key in row for row in t.state.log_history for key in ("train_runtime", "train_samples_per_second", "train_steps_per_second"))
     assert logged[-1]["epoch"] == pytest.approx(12 * plan.sample_rate)
     # ε is the plan's: σ and q composed over its steps, as the ledger in output_dir records them.
-    expected = epsilon_after(plan.noise_multiplier, plan.sample_rate, plan.steps, plan.delta, "rdp", plan.slack)
+    expected = epsilon_after(plan.noise_multiplier, plan.sample_rate, plan.steps, plan.delta, "rdp", plan.slack, plan.prior)
     assert t.private.epsilon == pytest.approx(expected, rel=1e-9)
     assert logged[-1]["epsilon"] == pytest.approx(expected, rel=1e-9)
     spent = json.loads((tmp_path / "run" / PRIVACY_SPENT).read_text())
@@ -276,7 +276,8 @@ def test_resume_without_the_secret_state_draws_fresh_lots_and_noise_and_charges_
     fresh.train(resume_from_checkpoint=str(run / "checkpoint-4"))
     assert [(s, c) for s, c, _ in releases(run)] == [(s, True) for s in range(1, 6)] + [(5, True), (6, True)]
     plan = fresh.private.plan
-    assert fresh.epsilon_spent() == pytest.approx(epsilon_after(plan.noise_multiplier, plan.sample_rate, 7, plan.delta, "rdp", plan.slack), rel=1e-9)
+    charged = epsilon_after(plan.noise_multiplier, plan.sample_rate, 7, plan.delta, "rdp", plan.slack, plan.prior)
+    assert fresh.epsilon_spent() == pytest.approx(charged, rel=1e-9)
 
 
 # ---- times: step times track the secret lots, so nothing written, logged or returned dates a step ------------
@@ -425,6 +426,28 @@ def test_constant_time_steps_run_the_same_micro_batches_whatever_the_lot(tmp_pat
     assert len(seen) == 3 * per_step and len({tuple(sorted((k, v) for k, v in b.items() if k != "examples")) for b in seen}) == 1
     assert [sum(b["examples"] for b in seen[i : i + per_step]) for i in range(0, len(seen), per_step)] == [1, bound, 0]
     assert [s for s, _, _ in releases(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_a_collator_padding_to_a_fixed_width_gets_rows_in_the_plans_widths(tmp_path, monkeypatch):
+    data = [{"input_ids": ids} for ids in short_and_long()]
+    by_length = sorted(range(len(data)), key=lambda i: len(data[i]["input_ids"]))
+    lots = [by_length[-8:], by_length[:8], by_length]  # the longest, the shortest, all (cut to B_max)
+    monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: ListedLots(lots, max_lot_size))
+    seen = spy_on_the_engine(monkeypatch)
+    t = DPTrainer(
+        model=wide_model(),
+        args=arguments(tmp_path / "run", max_steps=3, per_device_train_batch_size=8),
+        train_dataset=data,
+        data_collator=lambda rows: padded([r["input_ids"] for r in rows], width=WIDE),
+        privacy={**PRIVACY, "expected_lot_size": 16, "length_noise_multiplier": 1.0},
+    )
+    t.train()
+    plan = t.private.plan
+    assert len(plan.widths) >= 2 and plan.prior == ((1.0, 1.0, 1),)  # the length histogram's release, charged first
+    steps = [seen[i : i + len(seen) // 3] for i in range(0, len(seen), len(seen) // 3)]
+    shapes = [[tuple(sorted((k, v) for k, v in b.items() if k != "examples")) for b in step] for step in steps]
+    assert shapes[0] == shapes[1] == shapes[2] and {b[0][1][1] for b in shapes[0]} == {width for width, _ in plan.widths}
+    assert [sum(b["examples"] for b in step) for step in steps] == [8, 8, plan.max_lot_size]
 
 
 def test_a_collator_padding_to_each_batchs_longest_example_is_refused_and_a_hand_built_lot_too(tmp_path):

@@ -315,20 +315,26 @@ def _compare(
     rtol: float,
     how: str = "same tensors, rows selected",
 ) -> None:
-    finite = torch.isfinite(whole)
-    scale = float(whole[finite].abs().max()) if bool(finite.any()) else 0.0
-    same_finiteness = torch.isfinite(again) == torch.isfinite(expected)
-    close = (again - expected).abs() <= rtol * (expected.abs() + scale)
-    good = same_finiteness & (close | ~torch.isfinite(expected))
-    if bool(good.all()):
+    at = first_mismatch(again, expected, whole, rtol)
+    if at is None:
         return
-    at = int((~good).nonzero()[0])
     raise UserError(
         f"loss_fn {name} couples the examples of a micro-batch: row {rows[at]}'s loss is {float(expected[at]):.6g} among {size} rows "
         f"and {float(again[at]):.6g} among {len(rows)} of them ({how}); a loss divided by the micro-batch's token count (Hugging "
         f"Face's num_items_in_batch), rows or padded width lets one example scale every other's gradient, which clipping does not "
         f"bound; divide each example by its own count ({PER_EXAMPLE_HINT}) — nothing was charged"
     )
+
+
+def first_mismatch(again: torch.Tensor, expected: torch.Tensor, whole: torch.Tensor, rtol: float) -> int | None:
+    """The first row whose recomputed loss is not its expected one (finite where that is, within
+    `rtol` of it plus the largest finite loss of `whole`); None if every row's is."""
+    finite = torch.isfinite(whole)
+    scale = float(whole[finite].abs().max()) if bool(finite.any()) else 0.0
+    same_finiteness = torch.isfinite(again) == torch.isfinite(expected)
+    close = (again - expected).abs() <= rtol * (expected.abs() + scale)
+    good = same_finiteness & (close | ~torch.isfinite(expected))
+    return None if bool(good.all()) else int((~good).nonzero()[0])
 
 
 def check_user_code(model: nn.Module, loss_fn: LossFn, collated: Callable[[list[int]], Any], count: int) -> None:
@@ -352,6 +358,28 @@ def check_user_code(model: nn.Module, loss_fn: LossFn, collated: Callable[[list[
                 check_losses(again, len(rows), name)
                 expected = whole[rows[0] : rows[-1] + 1]
                 _compare(again.detach().double(), expected, whole, rows, count, name, rtol, how="collated on their own")
+
+
+def check_padding_cut(model: nn.Module, loss_fn: LossFn, whole: Any, cut: Any) -> None:
+    """make_private's check before rows come in a few widths: the first examples' losses are the
+    same with their trailing padding columns cut off (`cut`) as collated (`whole`). An example's
+    width then depends on how many longer ones share its lot, so a model that attends to padding
+    (one ignoring the attention mask in both directions) or a loss normalized by the padded width
+    would let the others move its gradient."""
+    name = loss_name(loss_fn)
+    with StateGuard(model).restored(), rng_kept(model), torch.no_grad(), _eval_mode(model):
+        expected = loss_fn(model, whole).detach().double()
+        again = loss_fn(model, cut)
+    check_losses(again, len(expected), name)
+    again = again.detach().double()
+    at = first_mismatch(again, expected, expected, RTOL_FLOAT32)  # rows in widths are for float32 models (make_private)
+    if at is not None:
+        raise UserError(
+            f"width_buckets: example {at}'s loss (loss_fn {name}) is {float(expected[at]):.6g} as collated and "
+            f"{float(again[at]):.6g} with its trailing padding columns cut off, so the width its row gets, which depends on the rest "
+            "of the lot, would move its gradient; use a model that masks padding (attention_mask) and a loss over each example's "
+            "own tokens, or pass width_buckets=1 (every row collate_fn's width) — nothing was charged"
+        )
 
 
 class StateGuard:

@@ -31,7 +31,7 @@ quarter, β a quarter of what B_max alone gets without buckets.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from scipy.special import xlogy
@@ -183,6 +183,27 @@ def fit_lot(lengths: Sequence[int], buckets: Buckets) -> tuple[list[list[int]], 
         else:
             dropped.append(i)
     return placed, dropped
+
+
+def bucket_micro_batches(buckets: Buckets, tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """Each bucket's fixed micro-batches, (width, count, rows each): its rows in equal micro-batches
+    of at most ⌊tokens / width⌋ rows (so none holds more tokens than a full-width one), the rows
+    rounded up to a multiple of the count, which only adds room."""
+    shapes = []
+    for width, rows in buckets:
+        count = -(-rows // max(1, tokens // width))
+        shapes.append((width, count, -(-rows // count)))
+    return tuple(shapes)
+
+
+def micro_batch_members(lengths: Sequence[int], shapes: Sequence[tuple[int, int, int]]) -> Iterator[tuple[int, int, list[int]]]:
+    """(width, rows, positions in the lot) of every micro-batch of `shapes` (bucket_micro_batches),
+    the same micro-batches whatever the lot: its examples (`lengths`, by position) placed by `fit_lot`;
+    one that fits no row left (the charged bad event) is in none."""
+    placed, _ = fit_lot(lengths, tuple((width, count * each) for width, count, each in shapes))
+    for (width, count, each), members in zip(shapes, placed, strict=True):
+        for start in range(0, count * each, each):
+            yield width, each, members[start : start + each]
 
 
 def bucketed_lot_bound(

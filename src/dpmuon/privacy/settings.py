@@ -61,7 +61,8 @@ class PrivacySettings(Settings):
     width_buckets: int = option(
         8,
         "constant-time lots in up to this many fixed widths, chosen from the training set's length histogram released once "
-        "before step 1 (charged; 1: every row max_length wide, nothing released). The driver only: make_private and DPTrainer pad to one width",
+        "before step 1 (charged; 1: every row max_length wide, nothing released). make_private and DPTrainer cut collate_fn's rows to "
+        "the widths where its batches carry an attention_mask (docs/privacy.md)",
         ge=1,
     )
     length_noise_multiplier: float = option(20.0, "σ of the length histogram's one Gaussian release (sensitivity 1; ≈ +0.003 ε at ε = 8)", gt=0)

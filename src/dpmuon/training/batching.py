@@ -32,7 +32,7 @@ from ..data import EncodedExample, collate
 from ..data.encoding import IGNORE_INDEX
 from ..errors import UserError
 from ..privacy.engines.base import EXAMPLE_MASK
-from ..privacy.lot_bound import Buckets, fit_lot
+from ..privacy.lot_bound import Buckets, bucket_micro_batches, micro_batch_members
 from .runtime import log
 
 
@@ -82,21 +82,16 @@ def bucketed_micro_batches(
     examples: Sequence[EncodedExample], lot: Sequence[int], buckets: Buckets, tokens: int, pad_id: int
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The lot's examples in the fixed shapes of `buckets` ((width, rows), widest first): each
-    width's rows in equal micro-batches of at most ⌊tokens / width⌋ rows (its rows rounded up to a
-    multiple of their count, which only adds room), filled up with label-free rows and carrying
-    `EXAMPLE_MASK`. The same micro-batches whatever the lot; an example that fits no row left (the
-    charged bad event: privacy/lot_bound.py `fit_lot`) is left out."""
-    shapes = []  # (width, micro-batches, rows each)
-    for width, rows in buckets:
-        count = -(-rows // max(1, tokens // width))
-        shapes.append((width, count, -(-rows // count)))
-    placed, _ = fit_lot([len(examples[i].input_ids) for i in lot], tuple((width, count * each) for width, count, each in shapes))
-    for (width, count, each), members in zip(shapes, placed, strict=True):
-        for start in range(0, count * each, each):
-            chosen = [examples[lot[j]] for j in members[start : start + each]]
-            batch = _right_pad(collate(chosen + [_filler_row(pad_id)] * (each - len(chosen)), pad_id), width, pad_id)
-            batch[EXAMPLE_MASK] = torch.arange(each) < len(chosen)
-            yield batch
+    width's rows in equal micro-batches of at most `tokens` tokens (privacy/lot_bound.py
+    `bucket_micro_batches`), filled up with label-free rows and carrying `EXAMPLE_MASK`. The same
+    micro-batches whatever the lot; an example that fits no row left (the charged bad event) is
+    left out."""
+    shapes = bucket_micro_batches(buckets, tokens)
+    for width, rows, members in micro_batch_members([len(examples[i].input_ids) for i in lot], shapes):
+        chosen = [examples[lot[j]] for j in members]
+        batch = _right_pad(collate(chosen + [_filler_row(pad_id)] * (rows - len(chosen)), pad_id), width, pad_id)
+        batch[EXAMPLE_MASK] = torch.arange(rows) < len(chosen)
+        yield batch
 
 
 def rank_share(buckets: Buckets, world: int) -> Buckets:
