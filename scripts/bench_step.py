@@ -7,7 +7,7 @@ non-private twin (DP-Adam with Adam, DP-Muon and DP-MuonBC with Muon) measured i
 on the same lot. The variants say what of the guarantee a private row keeps: `default` is what
 a private run of the driver does (constant-time lots: B_max rows in the width buckets chosen
 from the length histogram; the exact grid release), `one-width` pads every row to max_length
-instead (privacy.width_buckets=1, as make_private and DPTrainer do), `as-drawn` turns
+instead (privacy.width_buckets=1; make_private and DPTrainer without an attention mask), `as-drawn` turns
 constant-time lots off, `no-noise` also skips the noise (timing only), so the step from one
 column of the last table to the next is what that part costs. B_max is the default plan's for
 PLAN_STEPS steps at ε = 8; B_max/(Nq) is printed beside it. The widths come from the lengths of
@@ -103,7 +103,7 @@ PLAN_STEPS = 1000  # a plan's length sets B_max (the truncation charge grows wit
 # each, so the cost of each is the step from one column to the next.
 VARIANTS = {
     "default": "constant-time lots in width buckets, grid release (what a private driver run does)",
-    "one-width": "constant-time lots, every row max_length wide (privacy.width_buckets=1; make_private, DPTrainer), grid release",
+    "one-width": "constant-time lots, every row max_length wide (privacy.width_buckets=1), grid release",
     "as-drawn": "lots as drawn (privacy.constant_time=false), grid release",
     "no-noise": "lots as drawn, no noise drawn or added (timing only: not a release)",
 }

@@ -497,13 +497,14 @@ def lengths_for_widths(model: nn.Module, dataset: Sequence, collate_fn: Callable
         say(f"constant-time rows all collate_fn's width: {why}")
         return None
     max_length = first[PADDING_MASK].shape[1]
+    say(f"collating the {len(dataset):,} training examples once to measure their lengths (rows in up to {settings.width_buckets} widths)")
     lengths = []
     for start in range(0, len(dataset), micro_batch_size):  # collated as the release collates them
         rows = [dataset[i] for i in range(start, min(start + micro_batch_size, len(dataset)))]
         lengths += row_lengths(collated_mapping(collate_fn, rows), max_length).tolist()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    cut = cut_to_width(first, max(1, int(row_lengths(first, max_length).max())), max_length)
-    check_padding_cut(model, loss_fn, to_device(first, device), to_device(cut, device))
+    alone = [cut_to_width({k: v[i : i + 1] for k, v in first.items()}, max(1, n), max_length) for i, n in enumerate(row_lengths(first, max_length).tolist())]
+    check_padding_cut(model, loss_fn, to_device(first, device), [to_device(row, device) for row in alone])
     return lengths
 
 
@@ -541,7 +542,7 @@ def cut_to_width(batch: Mapping, width: int, max_length: int, examples: int | No
     `examples`: refused if one of the first `examples` rows is longer than `width` now, while
     its row was chosen from the length measured at make_private (collate_fn must collate an
     example the same way every time)."""
-    if examples and int(row_lengths(batch, max_length)[:examples].max()) > width:
+    if examples is not None and bool((row_lengths(batch, max_length)[:examples] > width).any()):  # every row measured: the same work whatever the lot
         raise UserError(
             f"make_private: collate_fn gave an example more attended or supervised columns than when make_private measured it, so the "
             f"row of {width} columns placed for it would cut its tokens; collate each example the same way every time — nothing was charged"

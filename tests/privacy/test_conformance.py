@@ -322,12 +322,20 @@ class UpdatedCache(Cache):  # … the attribute there before the release, then w
 def test_a_module_that_writes_a_buffer_in_forward_is_refused_and_the_buffer_restored(tmp_path, middle, culprit):
     model = TinyLM(middle).train()
     before = {n: b.clone() for n, b in model.named_buffers()}
-    message = refused_without_charge(tmp_path, model=model)
+    message = refused_without_charge(tmp_path, model=model, width_buckets=1)  # the release's own check (rows in widths: see below)
     assert message.startswith(f"model module {culprit} during the release's forward")
     for n, b in model.named_buffers():
         assert torch.equal(b, before[n]), n  # no trace of the private examples left in the model
     last = getattr(model.middle, "last", None)
     assert last is None or float(last) == 0.0
+
+
+def test_a_model_whose_shapes_tie_positions_to_the_width_is_refused_rows_in_widths(tmp_path):
+    # A norm over the positions, with running statistics of max_length entries, cannot take a narrower row.
+    model = TinyLM(nn.InstanceNorm1d(LENGTH, track_running_stats=True)).train()
+    message = refused_without_charge(tmp_path, model=model)
+    assert re.match(r"width_buckets: loss_fn \S+ failed on example 0 with its trailing padding columns cut off \(.*\); .* pass width_buckets=1", message)
+    assert not (tmp_path / "run").exists()  # before the mechanism exists
 
 
 def test_a_buffer_written_on_a_later_release_is_refused_too(tmp_path):

@@ -34,7 +34,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_map
 
-from ..errors import UserError
+from ..errors import UserError, one_line
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -85,8 +85,8 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def check_losses(losses: Any, rows: int, name: str) -> None:
-    """loss_fn's output: a floating tensor of shape [rows], finite for at least one row."""
+def check_losses(losses: Any, rows: int, name: str, some_finite: bool = True) -> None:
+    """loss_fn's output: a floating tensor of shape [rows], finite for at least one row (unless not `some_finite`)."""
     if not isinstance(losses, torch.Tensor) or not losses.is_floating_point():
         got = f"a {losses.dtype} tensor" if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise UserError(f"loss_fn {name} returned {got}; it must return the per-example losses, a float tensor of shape [{rows}] ({PER_EXAMPLE_HINT})")
@@ -95,7 +95,7 @@ def check_losses(losses: Any, rows: int, name: str) -> None:
             f"loss_fn {name} returned a tensor of shape {tuple(losses.shape)} for a micro-batch of {rows} rows; it must return the "
             f"per-example losses, shape [{rows}], not their mean or sum ({PER_EXAMPLE_HINT})"
         )
-    if not bool(torch.isfinite(losses.detach()).any()):
+    if some_finite and not bool(torch.isfinite(losses.detach()).any()):
         raise UserError(
             f"loss_fn {name} returned a non-finite loss (NaN/inf) for every one of the {rows} rows of the first micro-batch: the "
             "release would be noise alone; fix the loss (an example with no supervised token must get 0, not 0/0) — nothing was charged"
@@ -360,23 +360,32 @@ def check_user_code(model: nn.Module, loss_fn: LossFn, collated: Callable[[list[
                 _compare(again.detach().double(), expected, whole, rows, count, name, rtol, how="collated on their own")
 
 
-def check_padding_cut(model: nn.Module, loss_fn: LossFn, whole: Any, cut: Any) -> None:
-    """make_private's check before rows come in a few widths: the first examples' losses are the
-    same with their trailing padding columns cut off (`cut`) as collated (`whole`). An example's
-    width then depends on how many longer ones share its lot, so a model that attends to padding
-    (one ignoring the attention mask in both directions) or a loss normalized by the padded width
-    would let the others move its gradient."""
+def check_padding_cut(model: nn.Module, loss_fn: LossFn, whole: Any, alone: Sequence[Any]) -> None:
+    """make_private's check before rows come in a few widths: each of the first examples' loss is
+    the same on its own with its padding columns cut off (`alone[i]`: row i cut to its length) as
+    collated with the others (`whole`). An example's width then depends on how many longer ones
+    share its lot, so a model that attends to padding (one ignoring the attention mask in both
+    directions) or a loss normalized by the padded width would let the others move its gradient."""
     name = loss_name(loss_fn)
     with StateGuard(model).restored(), rng_kept(model), torch.no_grad(), _eval_mode(model):
         expected = loss_fn(model, whole).detach().double()
-        again = loss_fn(model, cut)
-    check_losses(again, len(expected), name)
-    again = again.detach().double()
-    at = first_mismatch(again, expected, expected, RTOL_FLOAT32)  # rows in widths are for float32 models (make_private)
+        again = []
+        for i, row in enumerate(alone):
+            try:
+                loss = loss_fn(model, row)
+            except (RuntimeError, ValueError, IndexError) as err:  # a model whose shapes tie dim 1 to the width (norm over positions)
+                raise UserError(
+                    f"width_buckets: loss_fn {name} failed on example {i} with its trailing padding columns cut off ({one_line(err)}); "
+                    "rows in a few widths need a model that takes any width up to collate_fn's; pass width_buckets=1 (every row "
+                    "collate_fn's width) — nothing was charged"
+                ) from None
+            check_losses(loss, 1, name, some_finite=False)  # a row's own non-finite loss is compared below
+            again.append(loss.detach().double())
+    at = first_mismatch(torch.cat(again), expected, expected, RTOL_FLOAT32)  # rows in widths are for float32 models (make_private)
     if at is not None:
         raise UserError(
             f"width_buckets: example {at}'s loss (loss_fn {name}) is {float(expected[at]):.6g} as collated and "
-            f"{float(again[at]):.6g} with its trailing padding columns cut off, so the width its row gets, which depends on the rest "
+            f"{float(again[at][0]):.6g} with its trailing padding columns cut off, so the width its row gets, which depends on the rest "
             "of the lot, would move its gradient; use a model that masks padding (attention_mask) and a loss over each example's "
             "own tokens, or pass width_buckets=1 (every row collate_fn's width) — nothing was charged"
         )
