@@ -29,7 +29,9 @@ print(default, kept, faults_of_ten_blocks())
 def test_large_blocks_are_reused_instead_of_faulted_in_again():
     """glibc mmaps every block above its mmap threshold, which it raises on its own to 32 MiB at
     most, and unmaps it on free: by default each 48 MiB block is faulted in again, page by page
-    (12,288 pages each). Once freed memory is kept, the same block is reused (0 measured).
+    (12,288 pages each). Once freed memory is kept, the same block is reused: 0 faults measured in
+    every local run, and once, in a fresh-clone CI run, one block's 12,288 (a block placed anew once
+    while the heap settles), so the test allows one block of the ten.
 
     A step's smaller blocks (a tiny model's logits) are reused only once the heap has settled: glibc's
     aligned allocations fragment it for a few steps, so counts over a few head steps vary from run
@@ -37,5 +39,6 @@ def test_large_blocks_are_reused_instead_of_faulted_in_again():
     done = subprocess.run([sys.executable, "-c", BLOCKS], capture_output=True, text=True, check=True)
     default, kept, after = done.stdout.split()
     assert kept == "True"
-    # At least a fault per block by default (12,288 with 4 KiB pages, fewer where huge pages are always on).
-    assert int(default) >= 10 and int(after) < int(default) // 20, done.stdout
+    # At least a fault per block by default (12,288 with 4 KiB pages, fewer where huge pages are always on);
+    # kept, at most one block of the ten faulted in again.
+    assert int(default) >= 10 and int(after) <= int(default) // 10, done.stdout
