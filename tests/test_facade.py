@@ -26,7 +26,7 @@ import dpmuon
 from dpmuon import facade
 from dpmuon.errors import UserError
 from dpmuon.facade import Lot
-from dpmuon.models import Shape, build_random_lm, hidden_matrices, per_example_lm_loss
+from dpmuon.models import Shape, build_random_lm, hidden_matrices, per_example_lm_loss, position_ids_for
 from dpmuon.privacy import LEDGER_FILE, mechanism
 from dpmuon.privacy.accountant import PrivacyAccountant, epsilon_after
 from dpmuon.privacy.engines import ENGINES
@@ -334,7 +334,7 @@ def test_rows_in_widths_refuse_what_would_let_the_width_move_a_gradient(tmp_path
     def by_padded_width(model, batch):  # a loss that scales with the padded width: the row's width would move it
         return per_example_lm_loss(model, batch) * batch["input_ids"].shape[1]
 
-    with pytest.raises(UserError, match=r"^width_buckets: example \d+'s loss .* trailing padding columns cut off.*width_buckets=1") as refused:
+    with pytest.raises(UserError, match=r"^width_buckets: example \d+'s loss .* trailing padding columns are cut off.*width_buckets=1") as refused:
         dpmuon.make_private(wide_model(), data, pad_wide, by_padded_width, run_dir=tmp_path / "a", **WIDTHS)
     assert "\n" not in str(refused.value) and not (tmp_path / "a").exists()
     private = dpmuon.make_private(wide_model(), data, pad_wide, by_padded_width, run_dir=tmp_path / "b", **WIDTHS, width_buckets=1)
@@ -351,7 +351,7 @@ def test_rows_in_widths_refuse_what_would_let_the_width_move_a_gradient(tmp_path
     private = dpmuon.make_private(wide_model(), data, renamed, loss, run_dir=tmp_path / "c", **WIDTHS)
     assert (
         private.plan.widths is None
-        and "constant-time rows all collate_fn's width: collate_fn's batches have no [rows, width] 'attention_mask'" in capsys.readouterr().err
+        and "constant-time rows all collate_fn's width: collate_fn's batches have no integer or bool [rows, width] 'attention_mask'" in capsys.readouterr().err
     )
     # A collate_fn that later gives an example more tokens than make_private measured: refused before anything is charged.
     longer = {"now": False}
@@ -366,9 +366,64 @@ def test_rows_in_widths_refuse_what_would_let_the_width_move_a_gradient(tmp_path
     monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: ListedLots([every], max_lot_size))
     private = dpmuon.make_private(wide_model(), data, changing, per_example_lm_loss, run_dir=tmp_path / "d", **WIDTHS)
     longer["now"] = True
-    with pytest.raises(UserError, match=r"^make_private: collate_fn gave an example more attended or supervised columns"):
+    with pytest.raises(UserError, match=r"^make_private: collate_fn gave an example more columns that are not padding"):
         private.release(next(private.lots()))
     assert ledger_steps(tmp_path / "d") == [] and all(p.grad is None for p in private.params.values())
+
+
+def test_rows_in_widths_refuse_what_the_first_examples_alone_would_not_show(tmp_path):
+    data = short_and_long()
+    full = [torch.arange(WIDE) % VOCAB] * 8 + data[8:]  # the first micro-batch has no padding to cut
+
+    def attends_to_padding(model, batch):  # every column, padding included, moves every example's loss a little
+        ids = batch["input_ids"]
+        return per_example_lm_loss(model, batch) + 1e-2 * model(input_ids=ids, position_ids=position_ids_for(torch.ones_like(ids))).logits.mean(dim=(1, 2))
+
+    with pytest.raises(UserError, match=r"^width_buckets: .* changes when the first examples' trailing padding columns are cut off"):
+        dpmuon.make_private(wide_model(), full, pad_wide, attends_to_padding, run_dir=tmp_path / "probe", **WIDTHS)
+    # The same loss, but only the gradient moves with the width: a gate at zero times the padded width.
+    model = wide_model()
+    model.register_parameter("gate", nn.Parameter(torch.zeros(())))
+
+    def gated(model, batch):
+        return per_example_lm_loss(model, batch) + model.gate * batch["input_ids"].shape[1]
+
+    with pytest.raises(UserError, match=r"^width_buckets: the gradient of parameter 'gate' .* trailing padding columns are cut off"):
+        dpmuon.make_private(model, data, pad_wide, gated, run_dir=tmp_path / "gate", **WIDTHS)
+    assert not (tmp_path / "probe").exists() and not (tmp_path / "gate").exists()
+
+
+def test_rows_stay_one_width_where_widths_could_round_by_shape_or_the_run_began_in_one(tmp_path, capsys):
+    data = short_and_long()
+    float_mask = lambda rows: {**pad_wide(rows), "attention_mask": pad_wide(rows)["attention_mask"].float()}  # noqa: E731
+    cases = {
+        "float mask": (float_mask, "no integer or bool [rows, width] 'attention_mask'"),
+        "tf32": (pad_wide, "fp32 matrix products are set to round to tf32"),
+    }
+    for name, (collate_fn, said) in cases.items():
+        before = torch.get_float32_matmul_precision()
+        if name == "tf32":
+            torch.set_float32_matmul_precision("high")
+        try:
+            private = dpmuon.make_private(wide_model(), data, collate_fn, per_example_lm_loss, run_dir=tmp_path / name.replace(" ", "_"), **WIDTHS)
+        finally:
+            torch.set_float32_matmul_precision(before)
+        assert private.plan.widths is None and private.plan.prior == (), name
+        assert said in capsys.readouterr().err, name
+    # A run directory whose ledger made no length release continues in one width (said), drawing none.
+    first = dpmuon.make_private(wide_model(), data, pad_wide, per_example_lm_loss, run_dir=tmp_path / "run", **WIDTHS, width_buckets=1)
+    first.release(next(first.lots()))
+    again = dpmuon.make_private(wide_model(), data, pad_wide, per_example_lm_loss, run_dir=tmp_path / "run", **WIDTHS)
+    assert again.plan.widths is None and "continues a run whose rows were one width" in capsys.readouterr().err
+
+
+def test_a_rows_length_covers_every_column_that_is_not_padding():
+    batch = pad_wide([torch.arange(1, 5), torch.arange(1, 9)])
+    assert facade.row_lengths(batch, WIDE).tolist() == [4, 8]
+    batch["labels"][0, 10] = 3  # supervised past the attended columns
+    batch["loss_mask"] = torch.zeros(2, WIDE, dtype=torch.long)
+    batch["loss_mask"][1, 20] = 1  # another key that is not padding
+    assert facade.row_lengths(batch, WIDE).tolist() == [11, 21]
 
 
 def test_filler_rows_add_exactly_nothing_whatever_they_hold(tmp_path, monkeypatch):
@@ -388,7 +443,7 @@ def test_filler_rows_add_exactly_nothing_whatever_they_hold(tmp_path, monkeypatc
 
 def test_micro_batches_of_varying_shapes_are_refused_in_one_line(tmp_path, monkeypatch):
     longest = lambda rows: padded(rows, width=None)  # noqa: E731
-    refusal = r"^make_private: constant_time=True needs one shape .* collate_fn .*'attention_mask' of shape \(8, \d\) where the first had \(8, 1\)"
+    refusal = r"^make_private: constant_time=True needs one shape .*'attention_mask' a shape other than the first micro-batch's \(8, 1\) \(the other"
     with pytest.raises(UserError, match=refusal + r".*padding='max_length'") as refused:
         dpmuon.make_private(
             tiny_model(), [torch.tensor([1])] + varied_lengths()[1:], longest, per_example_lm_loss, run_dir=tmp_path / "a", **SETTINGS, micro_batch_size=8
@@ -398,7 +453,7 @@ def test_micro_batches_of_varying_shapes_are_refused_in_one_line(tmp_path, monke
     # and that refuses the narrower micro-batches before the mechanism exists; in one width, the release's own check
     # refuses, before anything is charged.
     data = [torch.arange(LENGTH) % VOCAB] * 8 + [row[: LENGTH // 2] for row in varied_lengths()[8:]]
-    with pytest.raises(UserError, match=r"^make_private: constant_time=True needs one shape .*'attention_mask' of shape \(8, 4\) where the first had \(8, 8\)"):
+    with pytest.raises(UserError, match=r"^make_private: constant_time=True needs one shape .*'attention_mask' a shape other than .*\(8, 8\)"):
         dpmuon.make_private(tiny_model(), data, longest, per_example_lm_loss, run_dir=tmp_path / "b", **SETTINGS, micro_batch_size=8)
     assert not (tmp_path / "b").exists()
     monkeypatch.setattr(mechanism, "build_lot_sampler", lambda *a, max_lot_size=None, **k: PatternLots([N], max_lot_size))

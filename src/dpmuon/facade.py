@@ -41,6 +41,7 @@ from .models import hidden_matrices
 from .privacy.conformance import check_padding_cut, check_user_code
 from .privacy.engines import PerExampleLoss
 from .privacy.engines.base import EXAMPLE_MASK
+from .privacy.ledger import LEDGER_FILE, ledger_header
 from .privacy.lot_bound import bucket_micro_batches, micro_batch_members
 from .privacy.mechanism import Mechanism, MechanismSettings, buckets_by_width, build_mechanism, check_plan_inputs
 from .privacy.plan import check_resume_compatible
@@ -86,9 +87,9 @@ class Lot:
 
     def micro_batches(self) -> Iterator[Any]:
         """The collated micro-batches the release processes: at most `micro_batch_size` examples
-        each; with constant-time lots always the same micro-batches, filler rows marked False in
-        batch[EXAMPLE_MASK] (in width buckets, each width's micro-batches hold the tokens of
-        `micro_batch_size` full-width rows)."""
+        each, or in width buckets as many as `micro_batch_size` full-width rows' tokens; with
+        constant-time lots always the same micro-batches, filler rows marked False in
+        batch[EXAMPLE_MASK]."""
         return self._batches()
 
 
@@ -98,7 +99,7 @@ class RowWidths:
     place it), the width collate_fn pads to, each width's micro-batches (width, count, rows each:
     lot_bound.bucket_micro_batches) and the tensor shapes of a micro-batch of (rows, width)."""
 
-    lengths: list[int]
+    lengths: list[int] = field(repr=False)  # the private lengths: never in a printed repr
     max_length: int
     micro_batches: tuple[tuple[int, int, int], ...]
     shapes: dict[tuple[int, int], dict[str, tuple[int, ...]]]
@@ -117,22 +118,20 @@ class PrivateTraining:
         micro_batch_size: int,
         run_dir: Path,
         shapes: dict[str, tuple[int, ...]] | None = None,
-        lengths: list[int] | None = None,
+        widths: RowWidths | None = None,
     ):
         self.model, self.dataset, self.collate_fn, self.loss_fn = model, dataset, collate_fn, loss_fn
         self.mechanism = mechanism
         self.micro_batch_size = micro_batch_size
         self.run_dir = run_dir
         self.hidden_matrices = {n: layout for n, layout in hidden_matrices(model).items() if n in mechanism.release.params}
-        # Constant-time lots: every release processes this many rows (B_max, privacy/lot_bound.py),
-        # in micro-batches of micro_batch_size rows; None: lots as drawn.
+        # Constant-time lots: every release processes at least this many rows (B_max, privacy/lot_bound.py),
+        # in micro-batches of micro_batch_size rows or in the plan's widths; None: lots as drawn.
         self.padded_rows = mechanism.plan.max_lot_size
         # The engines read the filler rows' mask; loss_fn sees the batch as collate_fn made it.
         self._release_loss = loss_fn if self.padded_rows is None else without_example_mask(loss_fn)
         self.shapes = shapes  # constant-time lots: every micro-batch's tensor shapes (`fixed_shapes`)
-        # Constant-time rows in the plan's widths (None: every row collate_fn's width).
-        widths = mechanism.plan.widths
-        self.widths = row_widths(lengths, widths, shapes[PADDING_MASK][1], micro_batch_size, collate_fn, dataset) if lengths and widths else None
+        self.widths = widths  # constant-time rows in the plan's widths (None: every row collate_fn's width)
         # Lots are numbered as drawn, after the steps of a ledger the run directory already holds.
         self.next_step = 1 + max((r["step"] for r in mechanism.ledger.releases), default=0) if mechanism.ledger else 1
         # Drawn and not yet released, in the order drawn: (lot, its step, its indices as drawn).
@@ -366,16 +365,19 @@ def make_private(
     `constant_time` (True by default): every release runs the same micro-batches, filled up to
     B_max rows that add nothing (docs/privacy.md#constant-time-lots), so collate_fn must give
     them one shape (a fixed width); False: lots as drawn, whose step times must not be published.
-    Where its batches carry an `attention_mask`, the rows come in up to `width_buckets` fixed
-    widths, cut from that width: the length histogram is released once for them (charged, in the
-    ledger's header), and every example's length is the columns up to its last attended or
-    supervised (labels ≠ -100) one; `width_buckets=1` keeps every row collate_fn's width.
+    Where its batches carry an integer or bool `attention_mask` [rows, width] and every other
+    tensor is [rows] or [rows, width, …], the parameters are not half precision and fp32 products
+    are IEEE (no TF32: set before make_private), constant-time Poisson lots come in up to
+    `width_buckets` fixed widths, cut from that width: the length histogram is released once for
+    them (charged, in the ledger's header), every example's length being the columns up to its last
+    attended, supervised (labels ≠ -100) or otherwise non-padding one (docs/privacy.md);
+    `width_buckets=1` keeps every row collate_fn's width, as does a run_dir whose ledger has none.
     """
     settings = facade_settings(privacy, epochs, steps)
     refuse_unsafe_arguments(model, train_dataset, epochs, steps, settings.sampling, allow_shuffle_sampling, micro_batch_size)
     check_plan_inputs(settings, len(train_dataset))
     shapes = checked_user_code(model, train_dataset, collate_fn, loss_fn, micro_batch_size, settings.constant_time)
-    lengths = lengths_for_widths(model, train_dataset, collate_fn, loss_fn, micro_batch_size, settings) if shapes is not None else None
+    lengths = lengths_for_widths(model, train_dataset, collate_fn, loss_fn, micro_batch_size, settings, Path(run_dir)) if shapes is not None else None
     secret = user_seed(settings.mechanism_seed_file, seed_file_key="mechanism_seed_file")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -390,7 +392,9 @@ def make_private(
         raise UserError(f"make_private: {one_line(err)}") from None
     if not settings.constant_time:
         say("constant_time=False: step times track the secret lot sizes; publish none of them (per-step timestamps, W&B system metrics, profiles)")
-    return PrivateTraining(model, train_dataset, collate_fn, loss_fn, mechanism, micro_batch_size, run_dir, shapes, lengths)
+    widths = mechanism.plan.widths
+    widths = row_widths(lengths, widths, shapes[PADDING_MASK][1], micro_batch_size, collate_fn, train_dataset) if lengths is not None and widths else None
+    return PrivateTraining(model, train_dataset, collate_fn, loss_fn, mechanism, micro_batch_size, run_dir, shapes, widths)
 
 
 # PrivacySettings options make_private does not take: the driver's bookkeeping of its own run folder.
@@ -484,56 +488,85 @@ def fixed_shapes(dataset: Sequence, collate_fn: Callable, micro_batch_size: int)
     return shapes
 
 
-def lengths_for_widths(model: nn.Module, dataset: Sequence, collate_fn: Callable, loss_fn: PerExampleLoss, micro_batch_size: int, settings) -> list[int] | None:
+def lengths_for_widths(
+    model: nn.Module, dataset: Sequence, collate_fn: Callable, loss_fn: PerExampleLoss, micro_batch_size: int, settings, run_dir: Path
+) -> list[int] | None:
     """Every example's length (`row_lengths`, as collate_fn pads it) where constant-time rows can
-    come in a few widths, checked first on the first examples (`check_padding_cut`); None where
-    they cannot (said): one width, nothing released. Whether they can depends on the settings, the
-    parameters' dtype and the structure of collate_fn's batches, never on the examples' values."""
+    come in a few widths, after `check_padding_cut` on the first examples and on a probe; None
+    where they cannot (said): one width, nothing released. Whether they can depends on the
+    settings, the parameters, the structure of collate_fn's batches and run_dir's ledger header
+    (a run continued keeps its rows' layout), never on the examples' values."""
     if not buckets_by_width(settings):
         return None
     first = collated_mapping(collate_fn, [dataset[i] for i in range(min(micro_batch_size, len(dataset)))])
-    why = why_one_width(model, first)
+    why = why_one_width(model, first) or one_width_ledger(run_dir)
     if why:
         say(f"constant-time rows all collate_fn's width: {why}")
         return None
     max_length = first[PADDING_MASK].shape[1]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    row = {k: v[:1] for k, v in first.items()}
+    measured = row_lengths(first, max_length).tolist()
+    alone = [cut_to_width({k: v[i : i + 1] for k, v in first.items()}, max(1, n), max_length) for i, n in enumerate(measured)]
+    check_padding_cut(model, loss_fn, to_device(first, device), [to_device(one, device) for one in alone])
+    # A probe whatever the first examples' lengths: example 0 with its columns from `cut` on masked and unsupervised.
+    cut = max(1, measured[0] // 2)
+    probe = {k: v.clone() for k, v in row.items()}
+    probe[PADDING_MASK][:, cut:] = 0
+    if isinstance(probe.get("labels"), torch.Tensor) and probe["labels"].shape == probe[PADDING_MASK].shape:
+        probe["labels"][:, cut:] = IGNORE_INDEX
+    check_padding_cut(model, loss_fn, to_device(probe, device), [to_device(cut_to_width(probe, cut, max_length), device)])
     say(f"collating the {len(dataset):,} training examples once to measure their lengths (rows in up to {settings.width_buckets} widths)")
     lengths = []
     for start in range(0, len(dataset), micro_batch_size):  # collated as the release collates them
         rows = [dataset[i] for i in range(start, min(start + micro_batch_size, len(dataset)))]
         lengths += row_lengths(collated_mapping(collate_fn, rows), max_length).tolist()
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    alone = [cut_to_width({k: v[i : i + 1] for k, v in first.items()}, max(1, n), max_length) for i, n in enumerate(row_lengths(first, max_length).tolist())]
-    check_padding_cut(model, loss_fn, to_device(first, device), [to_device(row, device) for row in alone])
     return lengths
 
 
+def one_width_ledger(run_dir: Path) -> str | None:
+    """Why a run continued in `run_dir` keeps one width: its ledger made no length release."""
+    header = ledger_header(run_dir / LEDGER_FILE)
+    if header is not None and header.get("kind") == "header" and not header.get("length_release"):
+        return f"{run_dir / LEDGER_FILE} continues a run whose rows were one width (it released no length histogram)"
+    return None
+
+
 def why_one_width(model: nn.Module, batch: Mapping) -> str | None:
-    """Why rows cannot come in a few widths (None if they can): half-precision parameters (kernels
-    round by shape, so a row's width would move its contribution), or a batch whose tensors are not
-    [rows] and [rows, max_length, …] with a [rows, max_length] PADDING_MASK to cut them by."""
+    """Why rows cannot come in a few widths (None if they can): half-precision parameters or fp32
+    products rounded to TF32/bf16 (kernels round by shape, so a row's width would move its
+    contribution), or a batch whose tensors are not [rows] and [rows, max_length, …] with an
+    integer or bool [rows, max_length] PADDING_MASK to cut them by."""
     half = next((n for n, p in model.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)), None)
     if half is not None:
         return f"parameter {half!r} is {dict(model.named_parameters())[half].dtype}, and half-precision kernels round by shape"
+    rounded = [b.fp32_precision for b in (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul) if b.fp32_precision not in ("none", "ieee")]
+    if rounded:
+        return f"fp32 matrix products are set to round to {rounded[0]} (torch.set_float32_matmul_precision), and those kernels round by shape"
     mask = batch.get(PADDING_MASK)
-    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
-        return f"collate_fn's batches have no [rows, width] {PADDING_MASK!r} marking each row's padding"
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point()):
+        return f"collate_fn's batches have no integer or bool [rows, width] {PADDING_MASK!r} marking each row's padding"
     for key, value in batch.items():
-        if not (isinstance(value, torch.Tensor) and (value.dim() == 1 or value.shape[1] == mask.shape[1])):
+        if not (isinstance(value, torch.Tensor) and (value.dim() == 1 or (value.dim() >= 2 and value.shape[1] == mask.shape[1]))):
             what = f"of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
             return f"collate_fn's {key!r} is {what}, neither [rows] nor [rows, {mask.shape[1]}, …]"
     return None
 
 
 def row_lengths(batch: Mapping, max_length: int) -> torch.Tensor:
-    """Each row's length: 1 + its last column attended (PADDING_MASK ≠ 0) or supervised (labels ≠
-    -100), so that cutting the row to any width at least that long drops only padding."""
+    """Each row's length: 1 + its last column attended (PADDING_MASK ≠ 0), supervised (labels ≠
+    -100) or, in any [rows, max_length, …] tensor, other than the row's last column (padding
+    repeats one value to the end), so that cutting the row to a width at least that long cuts
+    only columns nothing attends to, supervises or fills with anything but padding."""
     mask = batch[PADDING_MASK]
     check_same_shapes({PADDING_MASK: tuple(mask.shape)}, {PADDING_MASK: (mask.shape[0], max_length)})
     used = mask != 0
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
         used = used | (labels != IGNORE_INDEX)
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == mask.shape:
+            used = used | (value != value[:, -1:]).reshape(*mask.shape, -1).any(dim=2)
     return (used.cpu() * torch.arange(1, max_length + 1)).amax(dim=1)
 
 
@@ -544,7 +577,7 @@ def cut_to_width(batch: Mapping, width: int, max_length: int, examples: int | No
     example the same way every time)."""
     if examples is not None and bool((row_lengths(batch, max_length)[:examples] > width).any()):  # every row measured: the same work whatever the lot
         raise UserError(
-            f"make_private: collate_fn gave an example more attended or supervised columns than when make_private measured it, so the "
+            f"make_private: collate_fn gave an example more columns that are not padding than when make_private measured it, so the "
             f"row of {width} columns placed for it would cut its tokens; collate each example the same way every time — nothing was charged"
         )
     return {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == max_length else v for k, v in batch.items()}
@@ -577,7 +610,8 @@ def check_same_shapes(shapes: Mapping[str, tuple[int, ...]], first: Mapping[str,
         key = differ[0]
         raise UserError(
             f"make_private: constant_time=True needs one shape for every micro-batch, but collate_fn (DPTrainer: data_collator) gave "
-            f"{key!r} of shape {shapes.get(key)} where the first had {first.get(key)}, so step times would track the secret lots; pad "
+            f"{key!r} a shape other than the first micro-batch's {first.get(key)} (the other is not printed: it can tell a lot's "
+            "lengths), so step times would track the secret lots; pad "
             "to a fixed width (e.g. a tokenizer's padding='max_length', or a collator's pad_to_multiple_of=<max length>), or pass "
             "constant_time=False and publish no step times"
         )

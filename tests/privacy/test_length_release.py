@@ -79,6 +79,17 @@ def test_a_ledger_without_the_release_is_not_continued_with_one_and_nothing_is_d
         mechanism(tmp_path / "widths", one_width)
 
 
+def test_a_release_for_other_widths_is_not_continued(tmp_path):
+    mechanism(tmp_path)
+    wider = lambda: build_mechanism(  # noqa: E731
+        nn.Sequential(nn.Linear(4, 3)), N, SETTINGS, hidden_matrices={"0.weight": "0.weight"}, user_secret=None, run_dir=tmp_path,
+        dataset_name="lengths", log=lambda message: None, example_lengths=LENGTHS, max_length=MAX_LENGTH + 8,
+    )  # fmt: skip
+    # Its bounds hold for examples up to MAX_LENGTH tokens: rows of another width would drop examples the charge never counted.
+    with pytest.raises(UserError, match=rf"released the length histogram of examples up to {MAX_LENGTH} tokens, and this run's rows are {MAX_LENGTH + 8} wide"):
+        wider()
+
+
 def test_the_histogram_noise_shares_no_draw_with_the_steps():
     """Not even shifted: a domain in the counter's first word (the one Philox increments) gave the
     steps' draws again, four words later."""

@@ -43,6 +43,10 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 # round each activation to 2^-8, and kernels chosen per shape then move a loss by up to ~1%.
 RTOL_FLOAT32 = 1e-4
 RTOL_HALF = 3e-2
+# An example's loss and gradient alone with its padding cut off, against the same as collated:
+# float32 kernels of other shapes differ by ~1e-7 relative; a forward rounded to bf16 or TF32
+# (autocast) by ~1e-3, which rows in widths would turn into other examples' influence.
+RTOL_CUT = 1e-5
 # A gradient that does not depend on other rows is exactly 0 there; this only absorbs a stray
 # rounding of a zero product.
 GRADIENT_LEAK = 1e-6
@@ -361,15 +365,20 @@ def check_user_code(model: nn.Module, loss_fn: LossFn, collated: Callable[[list[
 
 
 def check_padding_cut(model: nn.Module, loss_fn: LossFn, whole: Any, alone: Sequence[Any]) -> None:
-    """make_private's check before rows come in a few widths: each of the first examples' loss is
-    the same on its own with its padding columns cut off (`alone[i]`: row i cut to its length) as
-    collated with the others (`whole`). An example's width then depends on how many longer ones
-    share its lot, so a model that attends to padding (one ignoring the attention mask in both
-    directions) or a loss normalized by the padded width would let the others move its gradient."""
+    """make_private's check before rows come in a few widths: each example's loss, and the gradient
+    of their sum, the same on its own with its padding columns cut off (`alone[i]`: row i of
+    `whole` cut to its length) as collated in `whole`. An example's width then depends on how many
+    longer ones share its lot, so a model that attends to padding (one ignoring the attention mask
+    in both directions), a loss normalized by the padded width, or a forward rounded by shape
+    (autocast) would let the others move its gradient. Eval mode: the same function each time."""
     name = loss_name(loss_fn)
-    with StateGuard(model).restored(), rng_kept(model), torch.no_grad(), _eval_mode(model):
-        expected = loss_fn(model, whole).detach().double()
-        again = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    with StateGuard(model).restored(), rng_kept(model), _eval_mode(model):
+        losses = loss_fn(model, whole)
+        expected = losses.detach().double()
+        finite = torch.isfinite(expected)
+        collated = torch.autograd.grad(losses[finite].sum(), params, allow_unused=True)
+        again, cut = [], [torch.zeros_like(p) for p in params]
         for i, row in enumerate(alone):
             try:
                 loss = loss_fn(model, row)
@@ -381,14 +390,31 @@ def check_padding_cut(model: nn.Module, loss_fn: LossFn, whole: Any, alone: Sequ
                 ) from None
             check_losses(loss, 1, name, some_finite=False)  # a row's own non-finite loss is compared below
             again.append(loss.detach().double())
-    at = first_mismatch(torch.cat(again), expected, expected, RTOL_FLOAT32)  # rows in widths are for float32 models (make_private)
-    if at is not None:
+            if bool(finite[i]):
+                for total, g in zip(cut, torch.autograd.grad(loss.sum(), params, allow_unused=True), strict=True):
+                    total += 0 if g is None else g
+    at = first_mismatch(torch.cat(again), expected, expected, RTOL_CUT)
+    moved = _moved_parameter(model, params, collated, cut)
+    if at is not None or moved is not None:
+        what = f"example {at}'s loss" if at is not None else f"the gradient of parameter {moved!r}"
         raise UserError(
-            f"width_buckets: example {at}'s loss (loss_fn {name}) is {float(expected[at]):.6g} as collated and "
-            f"{float(again[at][0]):.6g} with its trailing padding columns cut off, so the width its row gets, which depends on the rest "
-            "of the lot, would move its gradient; use a model that masks padding (attention_mask) and a loss over each example's "
-            "own tokens, or pass width_buckets=1 (every row collate_fn's width) — nothing was charged"
+            f"width_buckets: {what} (loss_fn {name}) changes when the first examples' trailing padding columns are cut off, so the "
+            "width a row gets, which depends on the rest of the lot, would move its gradient; use a model that masks padding "
+            "(attention_mask), a loss over each example's own tokens and float32 forwards, or pass width_buckets=1 (every row "
+            "collate_fn's width) — nothing was charged"
         )
+
+
+def _moved_parameter(model: nn.Module, params: list[nn.Parameter], collated: Sequence, cut: Sequence[torch.Tensor]) -> str | None:
+    """The first parameter whose gradient with rows cut differs from collated beyond float32 rounding
+    (RTOL_CUT of the whole gradient's norm), or None."""
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, collated, strict=True)]
+    scale = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))) if grads else 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, g, c in zip(params, grads, cut, strict=True):
+        if float((g.double() - c.double()).norm()) > RTOL_CUT * scale:
+            return names[id(p)]
+    return None
 
 
 class StateGuard:

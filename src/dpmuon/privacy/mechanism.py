@@ -179,12 +179,18 @@ def length_release(
     it — a resume never draws it again — else drawn from the noise key's lengths domain (the OS
     CSPRNG in secure mode) on rank 0 and shared. open_ledger records it before it is used."""
     header = ledger_header(Path(run_dir) / LEDGER_FILE) if run_dir is not None and parallel.is_main else None
-    if header is not None and not header.get("length_release"):  # refused before a release is drawn that nothing would charge
+    # Refused before a release is drawn that nothing would charge.
+    if header is not None and header.get("kind") == "header" and not header.get("length_release"):
         raise UserError(
             f"cannot continue this run directory: {Path(run_dir) / LEDGER_FILE} is a run whose rows were one width (it released no "
             "length histogram); continue it with width_buckets=1 (the driver: privacy.width_buckets=1), or start a new run directory"
         )
     stored = header.get("length_release") if header is not None else None
+    if isinstance(stored, dict) and len(stored.get("counts", ())) != max_length + 1:  # its bounds hold for those lengths only
+        raise UserError(
+            f"cannot continue this run directory: {Path(run_dir) / LEDGER_FILE} released the length histogram of examples up to "
+            f"{len(stored.get('counts', ())) - 1} tokens, and this run's rows are {max_length} wide; continue it with the same width"
+        )
     if stored is None and parallel.is_main:
         counts = torch.from_numpy(length_histogram(example_lengths, max_length))
         noise = GaussianNoise(randomness.length_stream(), secure=randomness.secure, threads=1)
