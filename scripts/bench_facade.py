@@ -30,33 +30,23 @@ import time
 from pathlib import Path
 
 import torch
+from bench_step import build_bench_model, e2e_train
 from torch.nn.functional import pad
 
 import dpmuon
-from dpmuon.config import compose_config
-from dpmuon.data import collate, load_tokenizer
+from dpmuon.data import collate
 from dpmuon.jsontext import to_json
-from dpmuon.models import Shape, build_random_lm, per_example_lm_loss
+from dpmuon.models import per_example_lm_loss
 from dpmuon.privacy.seed import MECHANISM_SEED_ENV
 from dpmuon.privacy.subnormals import start_flushing_threads
-from dpmuon.training.data import prepare_data
 from dpmuon.training.run_files import code_version
 
-# The bench's model: bench_step.py's "tiny" (GPT-2's vocabulary, 4 layers of 128).
-TINY = Shape(50258, n_layer=4, n_embd=128, n_head=4, n_positions=256)
+MODEL = "tiny"  # bench_step.py's: GPT-2's vocabulary, 4 layers of 128
 # A public seed for timing only: every variant draws the same lots from it.
 BENCH_SEED = 0xB3_4C_FA_CA_DE_00_11_22_33_44_55_66_77_88_99_AA
 VARIANTS = {"widths": {}, "one-width": {"width_buckets": 1}, "as-drawn": {"constant_time": False}}
 # The plan's length sets B_max (the truncation charge grows with the steps), as bench_step.py's PLAN_STEPS.
 PLAN_STEPS = 1000
-
-
-def e2e_train() -> tuple[list, int, int]:
-    """E2E's training set as the driver encodes it, the pad id and dataset.max_length."""
-    tokenizer = load_tokenizer(None)
-    cfg = compose_config("data.max_valid_examples=1", "data.max_test_sources=1")
-    width = int(cfg.dataset.max_length)
-    return prepare_data(cfg.dataset, cfg.data, tokenizer, width, log=lambda message: None).train, tokenizer.pad_token_id, width
 
 
 def fixed_width(pad_id: int, width: int):
@@ -72,7 +62,7 @@ def fixed_width(pad_id: int, width: int):
 
 def private_run(name: str, train: list, collate_fn, args, run_dir: Path):
     """(PrivateTraining, its DP-Adam, its lots) of one variant."""
-    model = build_random_lm("gpt2", TINY, seed=0).train()
+    model = build_bench_model(MODEL).train()
     private = dpmuon.make_private(
         model, train, collate_fn, per_example_lm_loss, run_dir=run_dir / name, steps=PLAN_STEPS, micro_batch_size=args.micro_batch,
         target_epsilon=8.0, delta=1e-5, expected_lot_size=args.lot, **VARIANTS[name],
@@ -113,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     start_flushing_threads(args.threads)
     os.environ[MECHANISM_SEED_ENV] = str(BENCH_SEED)
-    train, pad_id, width = e2e_train()
+    train, pad_id, width = e2e_train(MODEL)
     collate_fn = fixed_width(pad_id, width)
     with tempfile.TemporaryDirectory() as tmp:
         runs = {name: private_run(name, train, collate_fn, args, Path(tmp)) for name in VARIANTS}
@@ -126,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
             flush=True,
         )
-        model = build_random_lm("gpt2", TINY, seed=0).train()
+        model = build_bench_model(MODEL).train()
         adam = torch.optim.Adam(model.parameters(), lr=1e-3)
         seconds: dict[str, list[float]] = {name: [] for name in [*VARIANTS, "non-private"]}
         names = list(seconds)

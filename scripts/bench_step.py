@@ -174,16 +174,22 @@ def synthetic_lot(size: int, seq_len: int, seed: int, vocab: int = VOCAB) -> lis
     return examples
 
 
-def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[EncodedExample], int, list[int]]:
-    """`size` E2E training examples, loaded and encoded as the trainer does (conf/dataset/e2e.yaml),
-    the pad id and the lengths of the whole training set."""
+def e2e_train(model_name: str) -> tuple[list[EncodedExample], int, int]:
+    """E2E's training set, loaded and encoded as the trainer does (conf/dataset/e2e.yaml), the pad
+    id and dataset.max_length."""
     # The tokenizer follows the model: a local model's own, else GPT-2's ($DPMUON_TOKENIZER).
     tokenizer = load_tokenizer(str(local_model_dir(model_name)) if model_name in LOCAL_MODELS else None)
     # prepare_data also encodes validation and test sets, which the bench does not use: one each.
     cfg = compose_config("data.max_valid_examples=1", "data.max_test_sources=1")
-    train = prepare_data(cfg.dataset, cfg.data, tokenizer, int(cfg.dataset.max_length), log=lambda message: None).train
+    width = int(cfg.dataset.max_length)
+    return prepare_data(cfg.dataset, cfg.data, tokenizer, width, log=lambda message: None).train, tokenizer.pad_token_id, width
+
+
+def e2e_lot(size: int, seed: int, model_name: str) -> tuple[list[EncodedExample], int, list[int]]:
+    """`size` E2E training examples (`e2e_train`), the pad id and the lengths of the whole training set."""
+    train, pad_id, _ = e2e_train(model_name)
     picks = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[:size]
-    return [train[i] for i in picks.tolist()], tokenizer.pad_token_id, [len(example.input_ids) for example in train]
+    return [train[i] for i in picks.tolist()], pad_id, [len(example.input_ids) for example in train]
 
 
 @dataclass

@@ -458,6 +458,11 @@ def refuse_batch_norm_in_train_mode(model: nn.Module) -> None:
             )
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters are (the CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """A collated micro-batch with its tensors on the model's device."""
     if isinstance(batch, torch.Tensor):
@@ -472,7 +477,7 @@ def checked_user_code(model: nn.Module, dataset: Sequence, collate_fn: Callable,
     mechanism exists: collate_fn's fixed shapes (returned; None without constant-time lots), then
     loss_fn and the model (privacy/conformance.py `check_user_code`)."""
     shapes = fixed_shapes(dataset, collate_fn, micro_batch_size) if constant_time else None
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     check_user_code(model, loss_fn, lambda rows: to_device(collate_fn([dataset[i] for i in rows]), device), min(micro_batch_size, len(dataset)))
     return shapes
 
@@ -504,7 +509,7 @@ def lengths_for_widths(
         say(f"constant-time rows all collate_fn's width: {why}")
         return None
     max_length = first[PADDING_MASK].shape[1]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     row = {k: v[:1] for k, v in first.items()}
     measured = row_lengths(first, max_length).tolist()
     alone = [cut_to_width({k: v[i : i + 1] for k, v in first.items()}, max(1, n), max_length) for i, n in enumerate(measured)]
