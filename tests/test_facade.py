@@ -461,6 +461,10 @@ def test_micro_batches_of_varying_shapes_are_refused_in_one_line(tmp_path, monke
     with pytest.raises(UserError, match=r"^make_private: constant_time=True needs one shape"):
         private.release(next(private.lots()))
     assert ledger_steps(tmp_path / "b") == [] and all(p.grad is None for p in private.params.values())
+    # Whether it failed depended on the lot: a caller who catches the error gets no next lot to learn it from again.
+    for call in (lambda: next(private.lots()), private.draw_lot, private.state_dict):
+        with pytest.raises(UserError, match=r"^this PrivateTraining stopped when the release of lot 1 failed mid-lot \(UserError\)"):
+            call()
     with pytest.raises(UserError, match=r"^make_private: collate_fn returned a tuple: .* a mapping of tensors"):
         dpmuon.make_private(tiny_model(), dataset(), lambda rows: tuple(collate(rows).values()), per_example_lm_loss, run_dir=tmp_path / "c", **SETTINGS)
     as_drawn = dpmuon.make_private(tiny_model(), varied_lengths(), longest, per_example_lm_loss, run_dir=tmp_path / "d", **SETTINGS, constant_time=False)

@@ -136,6 +136,7 @@ class PrivateTraining:
         self.next_step = 1 + max((r["step"] for r in mechanism.ledger.releases), default=0) if mechanism.ledger else 1
         # Drawn and not yet released, in the order drawn: (lot, its step, its indices as drawn).
         self._pending: deque[tuple[Lot, int, tuple[int, ...]]] = deque()
+        self._stopped: str | None = None  # why nothing more is drawn or released (a release failed mid-lot)
 
     # -- what the optimizer may know (public) --------------------------------------------------
 
@@ -168,6 +169,7 @@ class PrivateTraining:
         """The plan's lots, drawn with the mechanism's secret randomness; stops early where one
         more release would exceed the target ε (the budget guard). Says so when the run
         directory's ledger already holds every release of the plan: nothing is left to train."""
+        self._refuse_if_stopped()
         charged = self.mechanism.release.accountant.steps
         if charged >= self.plan.steps:
             say(
@@ -186,6 +188,7 @@ class PrivateTraining:
         """The next lot of the secret sampler, numbered `step` (default: after the last one drawn).
         lots() draws with it; an integration that re-runs the steps after a checkpoint (DPTrainer)
         gives their numbers, and the ledger charges such a re-run unless its release is identical."""
+        self._refuse_if_stopped()
         self._refuse_redrawing_a_user_seed()
         step = self.next_step if step is None else int(step)
         self.next_step = step + 1
@@ -193,6 +196,10 @@ class PrivateTraining:
         lot = Lot(step, list(drawn), self.micro_batch_size, lambda: self._micro_batches(drawn))
         self._pending.append((lot, step, drawn))
         return lot
+
+    def _refuse_if_stopped(self) -> None:
+        if self._stopped is not None:
+            raise UserError(self._stopped)
 
     def _refuse_redrawing_a_user_seed(self) -> None:
         """A user seed's streams start over in every process: continuing a ledger from them would
@@ -218,6 +225,7 @@ class PrivateTraining:
         would not: releasing lots chosen (or ordered) by what they hold — a lot with a given
         example, say — is no longer Poisson sampling, whatever is charged for the others.
         """
+        self._refuse_if_stopped()
         if not isinstance(lot, Lot):
             raise UserError(f"release() takes a lot from lots(), got {type(lot).__name__}: only the secret Poisson lots are accounted for")
         position = next((i for i, (drawn, _, _) in enumerate(self._pending) if drawn is lot), None)
@@ -244,7 +252,19 @@ class PrivateTraining:
         refuse_batch_norm_in_train_mode(self.model)
         self._pending.popleft()
         lot.released = True
-        stats = self.mechanism.release_lot(step, list(indices), self._micro_batches, self._release_loss, say)
+        try:
+            stats = self.mechanism.release_lot(step, list(indices), self._micro_batches, self._release_loss, say)
+        except Exception as err:
+            # Whether a release fails mid-lot (a collate function that lengthens an example, a shape,
+            # the loss) can depend on the lot, and no charge covers that; a caller who caught the error
+            # and drew the next lot could learn it again and again. So this object stops here.
+            self._stopped = (
+                f"this PrivateTraining stopped when the release of lot {step} failed mid-lot ({type(err).__name__}): whether a release "
+                "fails can depend on the lot, and nothing charges that, so it draws and releases nothing more; fix the cause, then "
+                "continue in a new make_private on the same run_dir from your last state_dict() record (load_state_dict replays "
+                f"lot {step} where the secret state is kept)"
+            )
+            raise
         if self.plan_done:  # nothing is left to replay: the secret generator states go, as the driver's do
             discard_mechanism_state(self.run_dir, keep=False)
         return stats
@@ -272,6 +292,7 @@ class PrivateTraining:
         generator states, which regenerate the lots and noise — goes to run_dir's owner-only
         mechanism_state.pt (the last two kept, deleted once the plan's releases are all made),
         never into the record."""
+        self._refuse_if_stopped()  # its lot was drawn and never released: a record after it would skip that lot
         if self._pending and step is None:
             raise UserError(
                 f"state_dict(): lot {self._pending[0][1]} was drawn and not released; release every lot drawn before saving "

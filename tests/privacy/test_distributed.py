@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,11 @@ from dpmuon.errors import UserError
 from dpmuon.eval.runs import read_run_rows
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.optim import MuonBCSettings, OptimizerInputs
-from dpmuon.privacy import DataParallel, GaussianNoise, PrivacyAccountant, Privatizer, SecretStream, build_partition
+from dpmuon.privacy import DataParallel, GaussianNoise, PrivacyAccountant, PrivacyLedger, Privatizer, SecretStream, build_partition
+from dpmuon.privacy.ledger import LEDGER_FILE
+from dpmuon.privacy.mechanism import length_release, open_ledger
+from dpmuon.privacy.plan import make_plan
+from dpmuon.privacy.randomness import MechanismRandomness
 
 DATA = token_batch(40, seed=11)
 # The last lot of one example leaves rank 1 nothing to add: its totals must still line up with rank 0's.
@@ -117,6 +122,38 @@ def test_a_refusal_on_rank_zero_is_raised_on_every_rank(tmp_path):
         assert time.monotonic() < deadline, "a rank is still waiting"
     for rank in range(2):
         assert torch.load(tmp_path / f"out.{rank}") == [42, "the ledger was deleted"]
+
+
+def _ledger_refusing_worker(rank: int, init_file: str, run_dir: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    parallel = DataParallel(rank, 2)
+    plan = make_plan(
+        private=True, dataset_size=40, expected_lot_size=8, epochs=None, steps=3, target_epsilon=8.0, delta=1e-5,
+        accountant="rdp", noise_multiplier=1.0,
+    )  # fmt: skip
+    refusals = []
+    for refused in (
+        lambda: length_release([3, 5, 8], 8, 2.0, MechanismRandomness(None), Path(run_dir), parallel),  # the ledger's rows were one width
+        lambda: open_ledger(Path(run_dir), plan, "another data set", parallel),
+    ):
+        try:
+            refused()
+        except UserError as err:
+            refusals.append(str(err).split(":")[0])
+    parallel.leave()
+    torch.save(refusals, f"{out}.{rank}")
+
+
+def test_rank_zeros_ledger_refusals_are_raised_on_every_rank(tmp_path):
+    """Rank 0 alone reads the ledger; a refusal there reaches every rank (before: rank 1 waited
+    forever for the histogram's broadcast)."""
+    PrivacyLedger(tmp_path / LEDGER_FILE, {"dataset": "d", "dataset_size": 40, "delta": 1e-5, "accountant": "rdp"})
+    context = mp.spawn(_ledger_refusing_worker, args=(str(tmp_path / "init"), str(tmp_path), str(tmp_path / "out")), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5):
+        assert time.monotonic() < deadline, "a rank is still waiting"
+    for rank in range(2):
+        assert torch.load(tmp_path / f"out.{rank}") == ["cannot continue this run directory"] * 2
 
 
 def test_shards_partition_the_lot():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import tiny_gpt2, token_batch
 
+from dpmuon.durable import atomic_write
 from dpmuon.models import hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import (
     GaussianNoise,
@@ -22,7 +23,7 @@ from dpmuon.privacy import (
     build_partition,
     release_digest,
 )
-from dpmuon.privacy.ledger import LedgerIntegrityError
+from dpmuon.privacy.ledger import LedgerIntegrityError, ledger_header
 
 HEADER = {"dataset": "e2e", "dataset_size": 40, "data_fingerprint": "abc", "delta": 1e-5, "accountant": "prv"}
 BATCH = token_batch(6, seed=2)
@@ -212,9 +213,32 @@ def test_privatizer_writes_the_ledger_before_the_gradient_and_charges_only_new_o
     assert fresh.ledger.charged_history() == [(0.8, 0.15, 2)]
 
 
-def test_a_torn_header_is_set_aside_and_a_new_ledger_begins(tmp_path):
+def test_a_torn_header_is_removed_not_kept_and_a_new_ledger_begins(tmp_path):
     path = tmp_path / "privacy_ledger.jsonl"
-    path.write_bytes(b'{"accountant": "prv", "data_fing')  # killed while writing the header: no release yet
+    path.write_bytes(b'{"accountant": "prv", "length_release": {"counts": [3.2, 1')  # an earlier version, killed mid-header
     ledger = PrivacyLedger(path, HEADER)
     assert ledger.length == 1 and lines(path)[0]["kind"] == "header"
-    assert (tmp_path / "privacy_ledger.jsonl.damaged-1").read_bytes() == b'{"accountant": "prv", "data_fing'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["privacy_ledger.jsonl"]  # no copy of a release nothing charged
+
+
+def test_the_header_reaches_the_ledger_whole_and_a_killed_creation_is_adopted_or_removed(tmp_path, monkeypatch):
+    path = tmp_path / "privacy_ledger.jsonl"
+    written = []
+    monkeypatch.setattr("dpmuon.privacy.ledger.atomic_write", lambda p, write: written.append(p) or atomic_write(p, write))
+    PrivacyLedger(path, {**HEADER, "length_release": {"noise_multiplier": 2.0, "counts": [1.5, 2.5]}})
+    assert written == [path]  # through a temp file and a rename: never torn in place
+    whole = path.read_bytes()
+    # Killed after the temp file was written, before the rename: the next run adopts it, so its release is charged, never drawn again.
+    path.unlink()
+    (tmp_path / ".privacy_ledger.jsonl.x1.tmp").write_bytes(whole)
+    assert ledger_header(path)["length_release"]["counts"] == [1.5, 2.5]
+    assert path.read_bytes() == whole and sorted(p.name for p in tmp_path.iterdir()) == ["privacy_ledger.jsonl"]
+    # Killed mid-write: the torn temp file reached nothing and is removed; a new ledger begins.
+    path.unlink()
+    (tmp_path / ".privacy_ledger.jsonl.x2.tmp").write_bytes(whole[:40])
+    assert ledger_header(path) is None and not list(tmp_path.iterdir())
+    # A leftover beside a ledger that exists is removed, and the ledger is untouched.
+    path.write_bytes(whole)
+    (tmp_path / ".privacy_ledger.jsonl.x3.tmp").write_bytes(whole)
+    assert PrivacyLedger(path, {**HEADER, "length_release": {"noise_multiplier": 2.0, "counts": [1.5, 2.5]}}).length == 1
+    assert path.read_bytes() == whole and sorted(p.name for p in tmp_path.iterdir()) == ["privacy_ledger.jsonl"]

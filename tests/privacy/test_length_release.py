@@ -17,7 +17,8 @@ from dpmuon.errors import UserError
 from dpmuon.eval.study import from_summary, read_run
 from dpmuon.privacy.accountant import epsilon_after
 from dpmuon.privacy.ledger import LEDGER_FILE
-from dpmuon.privacy.mechanism import MechanismSettings, build_mechanism
+from dpmuon.privacy.lot_bound import allowed_log_tail
+from dpmuon.privacy.mechanism import MechanismSettings, build_mechanism, privacy_plan
 from dpmuon.privacy.randomness import LENGTHS_DOMAIN, MechanismRandomness, SecretStream
 
 N, MAX_LENGTH = 3000, 100
@@ -134,6 +135,26 @@ def test_a_calibrated_sigma_covers_the_release_too():
     spent = epsilon_after(plan.noise_multiplier, plan.sample_rate, plan.steps, plan.delta, "rdp", plan.slack, plan.prior)
     assert 8.0 - 0.011 <= spent <= 8.0
     assert epsilon_after(plan.noise_multiplier * 0.97, plan.sample_rate, plan.steps, plan.delta, "rdp", plan.slack) <= 8.0
+
+
+def test_what_the_plan_says_and_refuses_does_not_depend_on_the_counts_drawn():
+    """The histogram is drawn before the ledger records it, so nothing the plan does between the
+    two may depend on its counts: σ, ε and a refusal are the same for histograms far apart, since
+    the widths' bad events always fit the share of δ set aside for them."""
+    steep = [0.0] * MAX_LENGTH + [float(N)]  # every example as long as the rows
+    flat = [N / (MAX_LENGTH + 1) + (-300.0 if i % 2 else 300.0) for i in range(MAX_LENGTH + 1)]  # and counts noise made negative
+    plans = []
+    for counts in (steep, flat, [0.0] * (MAX_LENGTH + 1)):
+        lengths = {"noise_multiplier": 2.0, "counts": counts}
+        plan = privacy_plan(SETTINGS, N, released_coordinates=15, lengths=lengths)
+        assert plan.truncation_probability <= math.exp(allowed_log_tail(plan.steps, 8.0, 1e-5))
+        plans.append((plan.noise_multiplier, plan.planned_epsilon))
+        calibrated = privacy_plan(MechanismSettings(**{**SETTINGS.__dict__, "noise_multiplier": None}), N, 15, lengths)
+        plans.append((calibrated.noise_multiplier, calibrated.planned_epsilon))
+        with pytest.raises(UserError, match="this plan spends") as refused:  # a σ just below the calibrated one
+            privacy_plan(MechanismSettings(**{**SETTINGS.__dict__, "noise_multiplier": calibrated.noise_multiplier * 0.98}), N, 15, lengths)
+        plans.append(str(refused.value))
+    assert plans[:3] == plans[3:6] == plans[6:]
 
 
 def test_a_histogram_noise_that_spends_the_budget_alone_is_refused_by_its_key():

@@ -30,6 +30,12 @@ fsynced before its release is used, so a line without its newline was torn mid-w
 release never reached anything. That tail is dropped. Nothing is rewritten in place: the
 damaged file keeps its name as `privacy_ledger.jsonl.damaged-<n>` and the intact lines are
 written to a new file. Any other damage (a bad or unchained line before the last) is refused.
+
+The header is the exception: it may hold a release (the length histogram), and a torn copy of
+it would keep part of that release on disk, charged nowhere, while the next run draws another.
+So the ledger comes into being whole (the header written to a temp file, then renamed); a
+process killed before the rename leaves the temp file, which the next run adopts if it is
+whole and removes if not (`finish_interrupted_create`).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..durable import fsync_dir
+from ..durable import atomic_write, fsync_dir, temp_files
 from ..jsontext import to_json
 from ..run_folder import LEDGER
 
@@ -87,7 +93,8 @@ def header_history(header: Mapping) -> list[tuple[float, float, int]]:
 def ledger_header(path: Path) -> dict | None:
     """The header of the ledger at `path` (None: no ledger, or no header that reached the disk
     whole). Read before the plan, which depends on its length release; the ledger's own checks
-    run when it is opened."""
+    run when it is opened. A header a killed process left in its temp file is adopted first."""
+    finish_interrupted_create(path)
     try:
         with open(path, "rb") as f:
             first = f.readline()
@@ -100,6 +107,33 @@ def ledger_header(path: Path) -> dict | None:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None  # opening the ledger names the damage
     return header if isinstance(header, dict) else None
+
+
+def finish_interrupted_create(path: Path) -> None:
+    """Complete or undo the creation of the ledger at `path` that a killed process left as a temp
+    file (`_create`): where no ledger holds a line yet, a temp file holding one whole header line
+    becomes the ledger (its length release, if any, is then charged and never drawn again); every
+    other leftover is removed (a torn header reached nothing but that file)."""
+    leftovers = temp_files(path)
+    if not leftovers:
+        return
+    if not (path.exists() and path.stat().st_size):
+        for tmp in leftovers:
+            data = tmp.read_bytes()
+            if data.endswith(b"\n") and data.count(b"\n") == 1 and _is_header(data):
+                os.replace(tmp, path)
+                break
+    for tmp in temp_files(path):
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def _is_header(line: bytes) -> bool:
+    try:
+        record = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and record.get("kind") == "header"
 
 
 def identity_value(key: str, value: object) -> str:
@@ -148,6 +182,7 @@ class PrivacyLedger:
         self.path = Path(path)
         self.releases: list[dict] = []
         self._hashes: list[str] = []  # line_hash of each line, in order: the chain's links
+        finish_interrupted_create(self.path)
         if self.path.exists() and self.path.stat().st_size:
             self._load(header)
         else:
@@ -156,8 +191,11 @@ class PrivacyLedger:
     def _create(self, header: Mapping) -> None:
         # The run ID starts the chain: two runs on the same data never write the same lines.
         self.header = {"kind": "header", "format": FORMAT, "run_id": secrets.token_hex(16), **header}
-        self._append(self.header)
-        fsync_dir(self.path.parent)  # the new file's name is as durable as its first line
+        line = to_json(self.header, sort_keys=True).encode()
+        # Whole or not at all (atomic_write: temp file, fsync, rename, the directory fsynced):
+        # the header may hold the length histogram's release.
+        atomic_write(self.path, lambda f: f.write(line + b"\n"))
+        self._hashes.append(line_hash(line))
 
     @property
     def head(self) -> str:
@@ -172,8 +210,9 @@ class PrivacyLedger:
     def _load(self, header: Mapping) -> None:
         data = self.path.read_bytes()
         *lines, torn = data.split(b"\n")  # `torn` is empty unless the last write was cut short
-        if not lines:  # the header itself was torn: the run stopped before its first release
-            self._set_aside_torn_tail(b"")
+        if not lines:  # a header torn by a version that appended it: no release line followed it
+            # Removed, not set aside: it may hold part of a length release that nothing charged.
+            self.path.unlink()
             self._create(header)
             return
         records, error = read_chain(self.path, lines)

@@ -177,25 +177,31 @@ def length_release(
     """The length histogram's one release: {"noise_multiplier", "counts"} (counts[l]: examples of
     l tokens plus N(0, σ²), on the grid), read back from the ledger's header of a run that made
     it — a resume never draws it again — else drawn from the noise key's lengths domain (the OS
-    CSPRNG in secure mode) on rank 0 and shared. open_ledger records it before it is used."""
-    header = ledger_header(Path(run_dir) / LEDGER_FILE) if run_dir is not None and parallel.is_main else None
-    # Refused before a release is drawn that nothing would charge.
-    if header is not None and header.get("kind") == "header" and not header.get("length_release"):
-        raise UserError(
-            f"cannot continue this run directory: {Path(run_dir) / LEDGER_FILE} is a run whose rows were one width (it released no "
-            "length histogram); continue it with width_buckets=1 (the driver: privacy.width_buckets=1), or start a new run directory"
-        )
-    stored = header.get("length_release") if header is not None else None
-    if isinstance(stored, dict) and len(stored.get("counts", ())) != max_length + 1:  # its bounds hold for those lengths only
-        raise UserError(
-            f"cannot continue this run directory: {Path(run_dir) / LEDGER_FILE} released the length histogram of examples up to "
-            f"{len(stored.get('counts', ())) - 1} tokens, and this run's rows are {max_length} wide; continue it with the same width"
-        )
-    if stored is None and parallel.is_main:
-        counts = torch.from_numpy(length_histogram(example_lengths, max_length))
-        noise = GaussianNoise(randomness.length_stream(), secure=randomness.secure, threads=1)
-        stored = {"noise_multiplier": noise_multiplier, "counts": noise.grid_release(counts, noise_multiplier).tolist()}
-    return parallel.broadcast_object(stored) if parallel.world_size > 1 else stored
+    CSPRNG in secure mode). Rank 0 reads or draws it and every rank gets it, or rank 0's refusal.
+    open_ledger records it before it is used."""
+    ledger = Path(run_dir) / LEDGER_FILE if run_dir is not None else None
+
+    def read_or_draw() -> dict:
+        header = ledger_header(ledger) if ledger is not None else None
+        # Refused before a release is drawn that nothing would charge.
+        if header is not None and header.get("kind") == "header" and not header.get("length_release"):
+            raise UserError(
+                f"cannot continue this run directory: {ledger} is a run whose rows were one width (it released no "
+                "length histogram); continue it with width_buckets=1 (the driver: privacy.width_buckets=1), or start a new run directory"
+            )
+        stored = header.get("length_release") if header is not None else None
+        if isinstance(stored, dict) and len(stored.get("counts", ())) != max_length + 1:  # its bounds hold for those lengths only
+            raise UserError(
+                f"cannot continue this run directory: {ledger} released the length histogram of examples up to "
+                f"{len(stored.get('counts', ())) - 1} tokens, and this run's rows are {max_length} wide; continue it with the same width"
+            )
+        if stored is None:
+            counts = torch.from_numpy(length_histogram(example_lengths, max_length))
+            noise = GaussianNoise(randomness.length_stream(), secure=randomness.secure, threads=1)
+            stored = {"noise_multiplier": noise_multiplier, "counts": noise.grid_release(counts, noise_multiplier).tolist()}
+        return stored
+
+    return parallel.on_main(read_or_draw)
 
 
 def privacy_plan(settings: MechanismSettings, dataset_size: int, released_coordinates: int, lengths: dict | None = None) -> PrivacyPlan:
@@ -281,7 +287,7 @@ def share_rank0_randomness(randomness: MechanismRandomness, parallel: DataParall
 def open_ledger(run_dir: Path, plan: PrivacyPlan, dataset_name: str, parallel: DataParallel = SINGLE, lengths: dict | None = None) -> PrivacyLedger | None:
     """The run's privacy ledger in `run_dir` (rank 0 of a private run), created or continued;
     a new one's header records the length histogram's release `lengths`, if made."""
-    if not plan.private or not parallel.is_main:
+    if not plan.private:
         return None
     header = {
         "dataset": dataset_name,
@@ -291,10 +297,16 @@ def open_ledger(run_dir: Path, plan: PrivacyPlan, dataset_name: str, parallel: D
         "release_slack": asdict(plan.slack),  # what each release costs beyond the ideal: ε from the ledger alone
         **({"length_release": lengths} if lengths is not None else {}),
     }
-    try:
-        return PrivacyLedger(Path(run_dir) / LEDGER_FILE, header)
-    except (LedgerMismatchError, LedgerIntegrityError) as err:
-        raise UserError(f"cannot continue this run directory: {err}") from None
+    opened: list[PrivacyLedger] = []  # rank 0's; its refusal is raised on every rank (on_main)
+
+    def open_on_main() -> None:
+        try:
+            opened.append(PrivacyLedger(Path(run_dir) / LEDGER_FILE, header))
+        except (LedgerMismatchError, LedgerIntegrityError) as err:
+            raise UserError(f"cannot continue this run directory: {err}") from None
+
+    parallel.on_main(open_on_main)
+    return opened[0] if opened else None
 
 
 def build_release(
