@@ -309,6 +309,22 @@ def test_rows_in_widths_run_the_same_micro_batches_for_lots_of_the_longest_and_t
     assert all(b["input_ids"][0] * b["input_ids"][1] <= 8 * WIDE for b in seen)
 
 
+def test_rows_in_widths_are_at_most_micro_batch_size_where_the_engine_forms_each_rows_gradient(tmp_path, monkeypatch):
+    """The fast engine's narrow widths take more rows (its memory follows tokens); Opacus forms every
+    row's gradient, so its micro-batches hold at most micro_batch_size rows in every width."""
+    monkeypatch.setenv(MECHANISM_SEED_ENV, str(SEED))  # the same histogram release, so the same widths
+    data = short_and_long()
+    layouts = {}
+    for engine in ("fast", "opacus"):
+        private = dpmuon.make_private(wide_model(), data, pad_wide, per_example_lm_loss, run_dir=tmp_path / engine, **WIDTHS, engine=engine)
+        assert len(private.plan.widths) >= 2 and private.mechanism.release.forms_row_gradients == (engine == "opacus")
+        layouts[engine] = private.widths.micro_batches
+    assert max(rows for _, _, rows in layouts["fast"]) > 8 >= max(rows for _, _, rows in layouts["opacus"])
+    slots = lambda layout: {w: count * rows for w, count, rows in layout}  # noqa: E731
+    assert slots(layouts["opacus"]).keys() == slots(layouts["fast"]).keys()
+    assert all(slots(layouts["opacus"])[w] >= rows for w, rows in private.plan.widths)  # every width's rows still fit
+
+
 def test_rows_in_widths_release_what_one_width_releases(tmp_path, monkeypatch):
     monkeypatch.setenv(MECHANISM_SEED_ENV, str(SEED))  # the same noise in both runs
     data = short_and_long()

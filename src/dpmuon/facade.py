@@ -414,7 +414,11 @@ def make_private(
     if not settings.constant_time:
         say("constant_time=False: step times track the secret lot sizes; publish none of them (per-step timestamps, W&B system metrics, profiles)")
     widths = mechanism.plan.widths
-    widths = row_widths(lengths, widths, shapes[PADDING_MASK][1], micro_batch_size, collate_fn, train_dataset) if lengths is not None and widths else None
+    if lengths is not None and widths:
+        max_rows = micro_batch_size if mechanism.release.forms_row_gradients else None
+        widths = row_widths(lengths, widths, shapes[PADDING_MASK][1], micro_batch_size, max_rows, collate_fn, train_dataset)
+    else:
+        widths = None
     return PrivateTraining(model, train_dataset, collate_fn, loss_fn, mechanism, micro_batch_size, run_dir, shapes, widths)
 
 
@@ -609,10 +613,11 @@ def cut_to_width(batch: Mapping, width: int, max_length: int, examples: int | No
     return {k: v[:, :width] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == max_length else v for k, v in batch.items()}
 
 
-def row_widths(lengths: list[int], buckets, max_length: int, micro_batch_size: int, collate_fn: Callable, dataset: Sequence) -> RowWidths:
+def row_widths(lengths: list[int], buckets, max_length: int, micro_batch_size: int, max_rows: int | None, collate_fn: Callable, dataset: Sequence) -> RowWidths:
     """The plan's widths (buckets: (width, rows), widest first) as micro-batches of at most
-    micro_batch_size full-width rows' tokens each, with the shapes every one of them must have."""
-    micro_batches = bucket_micro_batches(buckets, micro_batch_size * max_length)
+    micro_batch_size full-width rows' tokens and `max_rows` rows each, with the shapes every one
+    of them must have."""
+    micro_batches = bucket_micro_batches(buckets, micro_batch_size * max_length, max_rows)
     filler = dataset[FILLER_EXAMPLE]
     shapes = {(rows, width): tensor_shapes(cut_to_width(collated_mapping(collate_fn, [filler] * rows), width, max_length)) for width, _, rows in micro_batches}
     return RowWidths(lengths, max_length, micro_batches, shapes)

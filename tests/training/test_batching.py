@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import VOCAB, tiny_gpt2
+from omegaconf import OmegaConf
 
 from dpmuon.data import EncodedExample, collate
 from dpmuon.models import IGNORE_INDEX, hidden_matrices, per_example_lm_loss
 from dpmuon.privacy import PrivacyAccountant, Privatizer, build_engine, build_partition
+from dpmuon.privacy.distributed import SINGLE
 from dpmuon.privacy.engines.base import EXAMPLE_MASK
 from dpmuon.training.batching import bucketed_micro_batches, lot_micro_batches
+from dpmuon.training.loop import lot_batches
 
 PAD = VOCAB - 1
 
@@ -117,6 +122,26 @@ def test_width_buckets_run_the_same_shapes_whatever_the_lot():
     for batch in runs["all"]:
         lengths = (batch["input_ids"] != PAD).sum(dim=1)
         assert (lengths[batch[EXAMPLE_MASK]] <= batch["input_ids"].shape[1]).all()
+
+
+def test_rows_per_micro_batch_are_capped_where_the_engine_holds_memory_per_row():
+    """Narrow widths take as many rows as full-width tokens allow (the fast engine's memory follows
+    tokens); with max_rows (an engine that forms each row's gradient) no micro-batch holds more,
+    and the slots of each width are as many as without the cap."""
+    pool = [example(n) for n in (16, 15, 14, 13, 8, 7, 6, 5, 4, 3, 2)]
+    free = [s["input_ids"] for s, _ in shapes(bucketed_micro_batches(pool, [], BUCKETS, 24, PAD))]
+    capped = [s["input_ids"] for s, _ in shapes(bucketed_micro_batches(pool, [], BUCKETS, 24, PAD, max_rows=1))]
+    assert max(rows for rows, _ in free) == 2 and capped == [(1, 16)] * 3 + [(1, 8)] * 4 + [(1, 5)] * 2
+    slots = lambda layout: {w: sum(r for r, width in layout if width == w) for _, w in layout}  # noqa: E731
+    assert slots(capped) == {w: r for w, r in BUCKETS} and all(slots(free)[w] >= r for w, r in BUCKETS)
+    # The driver caps them by what its engine says (Opacus, or the fast engine's generic fallback).
+    for forms, most in ((False, 2), (True, 1)):
+        t = SimpleNamespace(
+            cfg=OmegaConf.create({"trainer": {"micro_batch_size": 1}}), tokenizer=SimpleNamespace(pad_token_id=PAD), widths=BUCKETS,
+            data=SimpleNamespace(train=pool), parallel=SINGLE, fixed_width=16, device=torch.device("cpu"),
+            mechanism=SimpleNamespace(release=SimpleNamespace(forms_row_gradients=forms)),
+        )  # fmt: skip
+        assert max(b["input_ids"].shape[0] for b in lot_batches(t, [0, 5, 9])) == most
 
 
 def test_width_buckets_release_what_one_width_releases():

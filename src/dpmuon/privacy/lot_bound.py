@@ -185,13 +185,15 @@ def fit_lot(lengths: Sequence[int], buckets: Buckets) -> tuple[list[list[int]], 
     return placed, dropped
 
 
-def bucket_micro_batches(buckets: Buckets, tokens: int) -> tuple[tuple[int, int, int], ...]:
+def bucket_micro_batches(buckets: Buckets, tokens: int, max_rows: int | None = None) -> tuple[tuple[int, int, int], ...]:
     """Each bucket's fixed micro-batches, (width, count, rows each): its rows in equal micro-batches
-    of at most ⌊tokens / width⌋ rows (so none holds more tokens than a full-width one), the rows
-    rounded up to a multiple of the count, which only adds room."""
+    of at most ⌊tokens / width⌋ rows (so none holds more tokens than a full-width one) and at most
+    `max_rows` (an engine that forms each row's gradient holds memory per row), the rows rounded
+    up to a multiple of the count, which only adds room."""
     shapes = []
     for width, rows in buckets:
-        count = -(-rows // max(1, tokens // width))
+        fits = tokens // width if max_rows is None else min(tokens // width, max_rows)
+        count = -(-rows // max(1, fits))
         shapes.append((width, count, -(-rows // count)))
     return tuple(shapes)
 

@@ -105,6 +105,7 @@ class Privatizer:
             raise ValueError(f"expected lot size must be > 0, got {self.expected_lot_size}")
         self._engine = build_engine(self.engine, self.model, self.partition, self.constant_time, fallback=self.engine_fallback)
         self.engine_note = self._engine.fallback_summary  # the run log's line on fallback modules (None: none)
+        self.forms_row_gradients = self._engine.forms_row_gradients  # memory grows with rows: cap them in widths
         self.params = self._engine.params
         self.block_stds = block_noise_stds(self.partition, self.noise_multiplier, self.noise_allocation)
         block_of = self.partition.block_index()

@@ -79,14 +79,14 @@ def lot_micro_batches(
 
 
 def bucketed_micro_batches(
-    examples: Sequence[EncodedExample], lot: Sequence[int], buckets: Buckets, tokens: int, pad_id: int
+    examples: Sequence[EncodedExample], lot: Sequence[int], buckets: Buckets, tokens: int, pad_id: int, max_rows: int | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The lot's examples in the fixed shapes of `buckets` ((width, rows), widest first): each
-    width's rows in equal micro-batches of at most `tokens` tokens (privacy/lot_bound.py
-    `bucket_micro_batches`), filled up with label-free rows and carrying `EXAMPLE_MASK`. The same
-    micro-batches whatever the lot; an example that fits no row left (the charged bad event) is
-    left out."""
-    shapes = bucket_micro_batches(buckets, tokens)
+    width's rows in equal micro-batches of at most `tokens` tokens and `max_rows` rows
+    (privacy/lot_bound.py `bucket_micro_batches`), filled up with label-free rows and carrying
+    `EXAMPLE_MASK`. The same micro-batches whatever the lot; an example that fits no row left (the
+    charged bad event) is left out."""
+    shapes = bucket_micro_batches(buckets, tokens, max_rows)
     for width, rows, members in micro_batch_members([len(examples[i].input_ids) for i in lot], shapes):
         chosen = [examples[lot[j]] for j in members]
         batch = _right_pad(collate(chosen + [_filler_row(pad_id)] * (rows - len(chosen)), pad_id), width, pad_id)

@@ -438,7 +438,8 @@ def lot_batches(t: Training, lot: list[int]):
     if t.widths is not None:
         # Longest first, dealt out in turn: each rank's share fits its share of the buckets.
         ordered = sorted(lot, key=lambda i: (-len(t.data.train[i].input_ids), i))
-        batches = bucketed_micro_batches(t.data.train, t.parallel.shard(ordered), t.widths, size * t.fixed_width, pad_id)
+        max_rows = size if t.mechanism.release.forms_row_gradients else None  # else as many rows as full-width tokens allow
+        batches = bucketed_micro_batches(t.data.train, t.parallel.shard(ordered), t.widths, size * t.fixed_width, pad_id, max_rows)
     else:
         shard = t.parallel.shard(lot)
         batches = lot_micro_batches(t.data.train, shard, size, pad_id, fixed_width=t.fixed_width, fixed_rows=t.fixed_width is not None, pad_to=t.padded_rows)

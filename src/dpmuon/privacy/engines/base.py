@@ -102,6 +102,10 @@ class PerExampleEngine(ABC):
     # One line for the run log naming the modules whose per-example gradients are formed by the
     # engine's fallback (privacy.engine_fallback=generic) and their share of the parameters; None: none.
     fallback_summary: str | None = None
+    # Whether a micro-batch's memory grows with its rows, not only its tokens: the engine forms each
+    # row's gradient (Opacus; the fast engine's generic fallback). Rows in narrow widths are then
+    # capped at micro_batch_size (privacy/lot_bound.py bucket_micro_batches).
+    forms_row_gradients: bool = False
 
     def __init__(self, model: nn.Module, partition: BlockPartition, constant_time: bool = False):
         self.model = model

@@ -54,6 +54,8 @@ def _one_tensor_argument(name: str, recording: Callable[[], bool]):
 
 @register_engine("opacus")
 class OpacusEngine(PerExampleEngine):
+    forms_row_gradients = True
+
     def __init__(self, model, partition, constant_time: bool = False, fallback: str = "generic"):
         super().__init__(model, partition, constant_time)  # it forms every row's gradient: constant work already
         outside = [n for n, p in model.named_parameters() if p.requires_grad and n not in self.params]

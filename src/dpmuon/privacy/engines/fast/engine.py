@@ -106,6 +106,7 @@ class FastEngine(PerExampleEngine):
         self.token_rows = {m for parent in model.modules() if type(parent) in EXAMPLE_MAJOR_FLATTENING for m in parent.modules()}
         # Generic modules sharing a parameter: their traces are merged before norms are taken.
         self.generic_groups = self._sharing_groups(owners, generic)
+        self.forms_row_gradients = bool(generic)
         sizes = {name: p.numel() for name, p in self.params.items()}
         generic_names = {names_by_module[m][a] for m in generic for a in names_by_module[m]}
         share = sum(sizes[n] for n in generic_names) / max(1, sum(sizes.values()))
