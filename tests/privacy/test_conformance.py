@@ -338,6 +338,24 @@ def test_a_model_whose_shapes_tie_positions_to_the_width_is_refused_rows_in_widt
     assert not (tmp_path / "run").exists()  # before the mechanism exists
 
 
+class PaddingMixedInTraining(nn.Module):
+    """Identity in eval mode; in train mode each row's positions, its padding too, are mixed."""
+
+    def forward(self, x):
+        return x + x.mean(dim=1, keepdim=True) if self.training else x
+
+
+def test_a_model_that_mixes_padding_in_train_mode_only_is_refused_rows_in_widths(tmp_path):
+    # Eval mode shows nothing: the releases run in train mode, where a row's width would move its loss.
+    message = refused_without_charge(tmp_path, model=TinyLM(PaddingMixedInTraining()).train())
+    assert re.match(r"width_buckets: example \d+'s loss \(loss_fn own_tokens_loss, train mode\) changes when .* cut off", message), message
+    assert not (tmp_path / "run").exists()  # before the mechanism exists
+    # With dropout the train-mode forward draws randomness, so it cannot be compared: only eval mode is checked (docs/privacy.md).
+    noisy = TinyLM(nn.Sequential(nn.Dropout(0.2), PaddingMixedInTraining())).train()
+    assert dpmuon.make_private(noisy, dataset(), collate, own_tokens_loss, run_dir=tmp_path / "noisy", **SETTINGS).widths is not None
+    assert dpmuon.make_private(TinyLM().train(), dataset(), collate, own_tokens_loss, run_dir=tmp_path / "plain", **SETTINGS).widths is not None
+
+
 def test_a_buffer_written_on_a_later_release_is_refused_too(tmp_path):
     class LateCounter(Counter):
         armed = False

@@ -370,39 +370,63 @@ def check_padding_cut(model: nn.Module, loss_fn: LossFn, whole: Any, alone: Sequ
     `whole` cut to its length) as collated in `whole`. An example's width then depends on how many
     longer ones share its lot, so a model that attends to padding (one ignoring the attention mask
     in both directions), a loss normalized by the padded width, or a forward rounded by shape
-    (autocast) would let the others move its gradient. Eval mode: the same function each time."""
+    (autocast) would let the others move its gradient. In eval mode (the same function each time),
+    then in the modes the releases will run in where their forward draws nothing random (two
+    forwards under different seeds agree bit for bit: no dropout), so that a module whose
+    train-mode branch alone mixes padding in is seen too."""
     name = loss_name(loss_fn)
     params = [p for p in model.parameters() if p.requires_grad]
-    with StateGuard(model).restored(), rng_kept(model), _eval_mode(model):
-        losses = loss_fn(model, whole)
-        expected = losses.detach().double()
-        finite = torch.isfinite(expected)
-        collated = torch.autograd.grad(losses[finite].sum(), params, allow_unused=True)
-        again, cut = [], [torch.zeros_like(p) for p in params]
-        for i, row in enumerate(alone):
-            try:
-                loss = loss_fn(model, row)
-            except (RuntimeError, ValueError, IndexError) as err:  # a model whose shapes tie dim 1 to the width (norm over positions)
-                raise UserError(
-                    f"width_buckets: loss_fn {name} failed on example {i} with its trailing padding columns cut off ({one_line(err)}); "
-                    "rows in a few widths need a model that takes any width up to collate_fn's; pass width_buckets=1 (every row "
-                    "collate_fn's width) — nothing was charged"
-                ) from None
-            check_losses(loss, 1, name, some_finite=False)  # a row's own non-finite loss is compared below
-            again.append(loss.detach().double())
-            if bool(finite[i]):
-                for total, g in zip(cut, torch.autograd.grad(loss.sum(), params, allow_unused=True), strict=True):
-                    total += 0 if g is None else g
-    at = first_mismatch(torch.cat(again), expected, expected, RTOL_CUT)
-    moved = _moved_parameter(model, params, collated, cut)
-    if at is not None or moved is not None:
-        what = f"example {at}'s loss" if at is not None else f"the gradient of parameter {moved!r}"
+    with StateGuard(model).restored(), rng_kept(model):
+        with _eval_mode(model):
+            what, mode = _moved_by_cut(model, loss_fn, whole, alone, params, name), "eval"
+        if what is None and any(m.training for m in model.modules()) and _draws_nothing(model, loss_fn, whole):
+            what, mode = _moved_by_cut(model, loss_fn, whole, alone, params, name), "train"
+    if what is not None:
         raise UserError(
-            f"width_buckets: {what} (loss_fn {name}) changes when the first examples' trailing padding columns are cut off, so the "
-            "width a row gets, which depends on the rest of the lot, would move its gradient; use a model that masks padding "
-            "(attention_mask), a loss over each example's own tokens and float32 forwards, or pass width_buckets=1 (every row "
-            "collate_fn's width) — nothing was charged"
+            f"width_buckets: {what} (loss_fn {name}, {mode} mode) changes when the first examples' trailing padding columns are cut "
+            "off, so the width a row gets, which depends on the rest of the lot, would move its gradient; use a model that masks "
+            "padding (attention_mask), a loss over each example's own tokens and float32 forwards, or pass width_buckets=1 (every "
+            "row collate_fn's width) — nothing was charged"
         )
+
+
+def _draws_nothing(model: nn.Module, loss_fn: LossFn, batch: Any) -> bool:
+    """Whether the model's forward, in its modes as they are, draws no randomness: the losses of
+    two forwards under different seeds are the same bits."""
+    with torch.no_grad():
+        torch.manual_seed(1)
+        first = loss_fn(model, batch)
+        torch.manual_seed(2)
+        return _same_bits(first, loss_fn(model, batch))
+
+
+def _moved_by_cut(model: nn.Module, loss_fn: LossFn, whole: Any, alone: Sequence[Any], params: list[nn.Parameter], name: str) -> str | None:
+    """What cutting the rows' padding columns moves ("example i's loss", "the gradient of parameter
+    p") beyond RTOL_CUT, or None."""
+    losses = loss_fn(model, whole)
+    expected = losses.detach().double()
+    finite = torch.isfinite(expected)
+    collated = torch.autograd.grad(losses[finite].sum(), params, allow_unused=True)
+    again, cut = [], [torch.zeros_like(p) for p in params]
+    for i, row in enumerate(alone):
+        try:
+            loss = loss_fn(model, row)
+        except (RuntimeError, ValueError, IndexError) as err:  # a model whose shapes tie dim 1 to the width (norm over positions)
+            raise UserError(
+                f"width_buckets: loss_fn {name} failed on example {i} with its trailing padding columns cut off ({one_line(err)}); "
+                "rows in a few widths need a model that takes any width up to collate_fn's; pass width_buckets=1 (every row "
+                "collate_fn's width) — nothing was charged"
+            ) from None
+        check_losses(loss, 1, name, some_finite=False)  # a row's own non-finite loss is compared below
+        again.append(loss.detach().double())
+        if bool(finite[i]):
+            for total, g in zip(cut, torch.autograd.grad(loss.sum(), params, allow_unused=True), strict=True):
+                total += 0 if g is None else g
+    at = first_mismatch(torch.cat(again), expected, expected, RTOL_CUT)
+    if at is not None:
+        return f"example {at}'s loss"
+    moved = _moved_parameter(model, params, collated, cut)
+    return None if moved is None else f"the gradient of parameter {moved!r}"
 
 
 def _moved_parameter(model: nn.Module, params: list[nn.Parameter], collated: Sequence, cut: Sequence[torch.Tensor]) -> str | None:
