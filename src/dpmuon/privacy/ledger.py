@@ -102,11 +102,16 @@ def ledger_header(path: Path) -> dict | None:
         return None
     if not first.endswith(b"\n"):  # torn: the header never reached the disk whole, nor did anything after it
         return None
+    return _json_object(first)  # None for damage, which opening the ledger names
+
+
+def _json_object(line: bytes) -> dict | None:
+    """The JSON object a line holds (None: not JSON, or not an object)."""
     try:
-        header = json.loads(first)
+        record = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return None  # opening the ledger names the damage
-    return header if isinstance(header, dict) else None
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def finish_interrupted_create(path: Path) -> None:
@@ -120,20 +125,12 @@ def finish_interrupted_create(path: Path) -> None:
     if not (path.exists() and path.stat().st_size):
         for tmp in leftovers:
             data = tmp.read_bytes()
-            if data.endswith(b"\n") and data.count(b"\n") == 1 and _is_header(data):
+            if data.endswith(b"\n") and data.count(b"\n") == 1 and (_json_object(data) or {}).get("kind") == "header":
                 os.replace(tmp, path)
                 break
     for tmp in temp_files(path):
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
-
-
-def _is_header(line: bytes) -> bool:
-    try:
-        record = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(record, dict) and record.get("kind") == "header"
 
 
 def identity_value(key: str, value: object) -> str:
