@@ -388,3 +388,100 @@ def test_a_position_is_skipped_only_when_its_output_gradient_is_exactly_zero():
     expected = torch.tensor([[True, True, True, False, True, True], [False, False, False, False, True, False]])
     assert torch.equal(Trace(inputs, grads).active(), expected)
     assert bool(Trace(inputs, grads, keep_all=True).active().all())
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [
+        [1, 2, 3, 7, 8, 20, 21, 22, 23, 24, 25, 26],  # runs behind gaps shorter than themselves
+        [0, 1, 2, 5, 9, 10, 11, 12, 30],  # leading rows already in place
+        list(range(0, 40, 2)),  # every other row
+        [39],
+        [],
+    ],
+)
+def test_rows_moved_in_place_are_the_rows_a_copy_holds(kept):
+    from dpmuon.privacy.engines.fast.kernels import compact_rows_
+
+    x = torch.randn(40, 7)
+    keep = torch.tensor(kept, dtype=torch.long)
+    moved = compact_rows_(x.clone(), keep)
+    assert moved is not None and torch.equal(moved, x.index_select(0, keep))
+
+
+def test_rows_that_would_move_in_many_pieces_are_left_to_a_copy():
+    """A long run behind a one-row gap would move a row at a time: refused, the tensor untouched."""
+    from dpmuon.privacy.engines.fast.kernels import compact_rows_
+
+    x = torch.randn(300, 5)
+    before = x.clone()
+    assert compact_rows_(x, torch.arange(1, 300)) is None
+    assert torch.equal(x, before)
+
+
+def test_book_keeping_that_overwrites_its_gradients_sums_what_a_copy_sums():
+    from dpmuon.privacy.engines.fast.kernels import weighted_outer_sum
+
+    generator = torch.Generator().manual_seed(3)
+    a, b = torch.randn(4, 12, 6, generator=generator), torch.randn(4, 12, 300, generator=generator)
+    b[:, :5] = 0  # an unlabelled prompt
+    b[2, 9:] = 0  # padding
+    active = b.ne(0).any(-1)
+    scale = torch.rand(4, generator=generator)
+    copied = weighted_outer_sum(a, b, scale, out_in=True, active=active)
+    assert torch.equal(weighted_outer_sum(a, b.clone(), scale, out_in=True, active=active, overwrite_b=True), copied)
+
+
+class TwoBranches(nn.Module):
+    """out = left(h) + right(h): autograd hands both linear layers the same output-gradient tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.left = nn.Linear(8, 6)
+        self.right = nn.Linear(8, 6)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.left(h) + self.right(h)
+
+
+def two_branch_loss(model, batch):
+    # Half the positions carry no loss, so the book-keeping keeps only the other rows.
+    return (model(batch["input_ids"]).square().sum(2) * batch["weights"]).sum(1)
+
+
+def test_layers_handed_one_gradient_tensor_each_get_their_own_sums():
+    """Rows reordered in place for one layer's book-keeping must not be another layer's rows."""
+    model = TwoBranches()
+    names = [n for n, _ in model.named_parameters()]
+    partition = build_partition(names, clip_norm=0.05, matrix_names=["left.weight", "right.weight"])
+    generator = torch.Generator().manual_seed(4)
+    batch = {"input_ids": torch.randint(0, VOCAB, (5, 9), generator=generator), "weights": (torch.arange(9) % 2).float().expand(5, 9)}
+    engine = FastEngine(model, partition)
+    losses, calls, _ = engine._forward(batch, two_branch_loss)
+    traces = engine._backward(losses, calls)
+    assert traces[model.left].grads.untyped_storage().data_ptr() == traces[model.right].grads.untyped_storage().data_ptr()
+    assert not traces[model.left].exclusive and not traces[model.right].exclusive
+    ref_squared, ref_summed = naive_reference(model, partition, batch, two_branch_loss)
+    summed, _, _ = engine.clipped_sum(batch, two_branch_loss)
+    assert_close_dicts(summed, ref_summed)
+    assert torch.equal(summed["left.bias"], summed["right.bias"]) and torch.equal(summed["left.weight"], summed["right.weight"])
+
+
+def test_the_lm_heads_rows_are_moved_in_place_where_it_holds_its_gradients(monkeypatch):
+    """The tied GPT-2's head holds its own output gradients: its book-keeping moves their rows in
+    place (no copy of the head's active rows) and still releases what Opacus does."""
+    from dpmuon.privacy.engines.fast import kernels
+
+    moved = []
+    compact = kernels.compact_rows_
+    monkeypatch.setattr(kernels, "compact_rows_", lambda x, keep: moved.append(x.shape[1]) or compact(x, keep))
+    model = tiny_gpt2(tie=True)
+    partition = partition_for(model, SMALL_C)
+    batch = token_batch(4, seed=5)
+    _, ref_summed, _ = opacus_reference(model, partition, batch, per_example_lm_loss)
+    summed, _, _ = FastEngine(model, partition).clipped_sum(batch, per_example_lm_loss)
+    assert VOCAB in moved
+    assert_close_dicts(summed, ref_summed)

@@ -257,6 +257,12 @@ class FastEngine(PerExampleEngine):
                 inputs, outs = ([x.reshape(size, -1, *x.shape[1:]) for x in xs] for xs in (inputs, outs))
             traces[module] = layer.trace(inputs, outs)
             traces[module].keep_all = self.constant_time
+        # Autograd hands one gradient tensor to both branches of an addition, so two traces may
+        # hold the same memory: only a trace that holds its own may have it reordered in place.
+        holders = Counter(t.grads.untyped_storage().data_ptr() for t in traces.values() if isinstance(t, Trace))
+        for trace in traces.values():
+            if isinstance(trace, Trace):
+                trace.exclusive = holders[trace.grads.untyped_storage().data_ptr()] == 1
         for group in self.generic_groups:  # one formed gradient per shared parameter
             present = [m for m in group if m in traces]
             for m in present[1:]:

@@ -93,6 +93,40 @@ def _gram(x: torch.Tensor) -> tuple[torch.Tensor, float, float]:
     return gram, GRAM_CHUNK_ERROR, 2 * features * 2.0**-126
 
 
+def _select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, rows) for increasing `rows`, as a view where they are one run (at an LM
+    head, an example's labelled tokens): the same values with the same strides, without a copy."""
+    if rows.numel() and int(rows[-1]) - int(rows[0]) + 1 == rows.numel():
+        return x[int(rows[0]) : int(rows[-1]) + 1]
+    return x.index_select(0, rows)
+
+
+def compact_rows_(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
+    """x.index_select(0, keep) for a contiguous 2-D x and increasing `keep`, made by moving those
+    rows to x's front in place (x's other rows are overwritten) and returned as a view of x.
+
+    At an LM head a fresh copy of the active rows is 10⁸ bytes that the CPU faults in anew at every
+    micro-batch (glibc maps blocks that large afresh), several times the copy itself. Each run of
+    kept rows moves down by the rows skipped before it (its gap), in pieces of at most the gap so
+    that no piece overlaps its source. None, with x untouched, where that would take more than a
+    few pieces per run (a long run behind a short gap); the caller then copies.
+    """
+    n = keep.numel()
+    starts = torch.ones(n, dtype=torch.bool, device=keep.device)
+    starts[1:] = keep[1:] != keep[:-1] + 1
+    firsts = starts.nonzero().squeeze(1).tolist()
+    sources = keep[firsts].tolist() if firsts else []
+    runs = [(first, source, end - first) for first, source, end in zip(firsts, sources, firsts[1:] + [n]) if source > first]
+    if sum(-(-length // (source - first)) for first, source, length in runs) > 2 * len(firsts) + 16:
+        return None
+    for first, source, length in runs:
+        gap = source - first
+        for offset in range(0, length, gap):
+            size = min(gap, length - offset)
+            x[first + offset : first + offset + size].copy_(x[source + offset : source + offset + size])
+    return x[:n]
+
+
 def row_norms(gram: torch.Tensor, error: tuple[float, float]) -> torch.Tensor:
     """Upper bounds on ‖x_t‖ from a computed Gram whose entries are within e·‖x_s‖‖x_t‖ + f:
     G_tt ≥ (1 − e)·‖x_t‖² − f."""
@@ -140,7 +174,7 @@ def ghost_weight_norms(a: torch.Tensor, b: torch.Tensor, active: torch.Tensor | 
             ai, bi = a[i], b[i]
             if active is not None and not bool(active[i].all()):
                 rows = active[i].nonzero().squeeze(1)
-                ai, bi = ai.index_select(0, rows), bi.index_select(0, rows)
+                ai, bi = _select_rows(ai, rows), _select_rows(bi, rows)
             (gram_a, *a_error), (gram_b, *b_error) = _gram(ai), _gram(bi)
             grads.append(row_norms(gram_b, b_error).square().sum())
             bounds.append(gram_error_bound(gram_a, a_error, gram_b, b_error))  # before gram_a is overwritten
@@ -180,7 +214,13 @@ def direct_weight_norms(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = t
 
 
 def weighted_outer_sum(
-    a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, out_in: bool, out: torch.Tensor | None = None, active: torch.Tensor | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor,
+    out_in: bool,
+    out: torch.Tensor | None = None,
+    active: torch.Tensor | None = None,
+    overwrite_b: bool = False,
 ) -> torch.Tensor:
     """Σ_i scale_i · b_iᵀ a_i in fp32 ([d_out, d_in] if out_in, else its transpose [d_in, d_out]),
     added into `out` when given (and returned).
@@ -190,6 +230,8 @@ def weighted_outer_sum(
     `active` (zero b_t) are left out when that saves a tenth of the product or more: at the LM
     head the unlabelled prompt is about half the rows, which the non-private backward multiplies
     anyway. (Not on GPU, where choosing the rows would synchronize the device at every layer.)
+    overwrite_b: b's memory is the caller's to overwrite (this is its last use and no other tensor
+    shares it), so its kept rows are moved within it (`compact_rows_`) rather than copied.
     The first chunk writes a fresh result rather than adding into zeros: filling a
     vocabulary-sized matrix first costs about as much as the product's memory traffic.
     """
@@ -201,7 +243,9 @@ def weighted_outer_sum(
         if active is not None and a.device.type == "cpu":  # on GPU the selection would sync per layer
             keep = active[rows].reshape(-1).nonzero().squeeze(1)
             if keep.numel() < 0.9 * ac.shape[0]:  # index_select copies rows faster than a boolean mask
-                ac, bc, weights = ac.index_select(0, keep), bc.index_select(0, keep), weights.index_select(0, keep)
+                ac, weights = ac.index_select(0, keep), weights.index_select(0, keep)
+                moved = compact_rows_(bc, keep) if overwrite_b and bc.is_contiguous() else None
+                bc = bc.index_select(0, keep) if moved is None else moved
         ac, bc = ac.float(), bc.float()
         if d_in <= d_out:
             ac = ac * weights[:, None]

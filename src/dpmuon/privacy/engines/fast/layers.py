@@ -92,6 +92,10 @@ class Trace:
     grads: torch.Tensor  # gradient of Σ_i loss_i w.r.t. the layer's outputs
     # Constant-time lots: every position counts as active, so padding rows cost what real rows do.
     keep_all: bool = False
+    # The output gradients' memory is the engine's alone (autograd made it, and no other trace
+    # shares it: autograd hands one tensor to both branches of an addition). Their last reader, the
+    # book-keeping, may then reorder their rows in place (`kernels.compact_rows_`).
+    exclusive: bool = False
     # Parameter name → [B] bound on the rounding of its squared norms, where the rule's were not
     # computed in float64 (`kernels.ghost_weight_norms` over a vocabulary); the engine absorbs it
     # once a block's norm is complete (a tied head's cross term may cancel against it).
@@ -113,7 +117,7 @@ class Trace:
         """The trace with the dropped examples' rows zeroed: the output gradients (autograd's
         results, the engine's own) in place, the inputs (maybe the caller's tensors) in a copy."""
         inputs = zero_rows(self.inputs, dropped, own=False) if self.inputs.is_floating_point() else self.inputs
-        return Trace(inputs, zero_rows(self.grads, dropped, own=True), keep_all=self.keep_all)
+        return Trace(inputs, zero_rows(self.grads, dropped, own=True), keep_all=self.keep_all, exclusive=self.exclusive)
 
 
 class Layer(ABC):
@@ -242,14 +246,14 @@ class AffineLayer(InPlaceLayer):
 
     def add_clipped_sums(self, trace, scale_of, sums):
         a, b = trace.inputs, trace.grads
-        if "weight" in self.names:
-            name = self.names["weight"]
-            # Linear's gradient is bᵀa (out, in); Conv1D stores its transpose aᵀb (in, out).
-            sums[name] = weighted_outer_sum(a, b, scale_of(name), not self.in_out, sums.get(name), trace.active())
         if "bias" in self.names:
             name = self.names["bias"]
             bias = torch.einsum("b,btj->j", scale_of(name), b.float())
             sums[name] = sums[name].add_(bias) if name in sums else bias
+        if "weight" in self.names:  # the last reader of b: an exclusive b may be reordered in place
+            name = self.names["weight"]
+            # Linear's gradient is bᵀa (out, in); Conv1D stores its transpose aᵀb (in, out).
+            sums[name] = weighted_outer_sum(a, b, scale_of(name), not self.in_out, sums.get(name), trace.active(), overwrite_b=trace.exclusive)
 
 
 @register_layer(nn.Embedding)
