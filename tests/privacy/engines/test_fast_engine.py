@@ -393,7 +393,8 @@ def test_a_position_is_skipped_only_when_its_output_gradient_is_exactly_zero():
 @pytest.mark.parametrize(
     "kept",
     [
-        [1, 2, 3, 7, 8, 20, 21, 22, 23, 24, 25, 26],  # runs behind gaps shorter than themselves
+        [1, 2, 3, 7, 8, 20, 21, 22, 23, 24, 25, 26],  # a run behind a gap of one row: moved a row at a time
+        [2, 3, 4, 5, 6, 10, 11],  # a run of five behind a gap of two: pieces of 2, 2 and 1
         [0, 1, 2, 5, 9, 10, 11, 12, 30],  # leading rows already in place
         list(range(0, 40, 2)),  # every other row
         [39],
