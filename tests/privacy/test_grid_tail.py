@@ -165,7 +165,7 @@ def test_draws_beyond_the_redraw_come_from_the_fine_tail():
     far = np.abs(plain) > TAIL_REDRAW
     assert np.array_equal(plain[~far], redrawn[~far]) and not far.any()
     z = np.array([1.0, -9.5, 12.1])
-    redraw_tail(z, np.random.default_rng(1).bit_generator.random_raw)
+    redraw_tail(z, lambda: np.random.default_rng(1).bit_generator.random_raw)
     assert z[0] == 1.0 and z[1] < -TAIL_REDRAW and z[2] > TAIL_REDRAW and (z[1], z[2]) != (-9.5, 12.1)
     # The fine tail's atoms: consecutive mantissas at depth 11 are ~2⁻⁵²/x apart (below x's own
     # ulp: the float rounding of x, in the arithmetic's budget, is all that remains), so a cell of

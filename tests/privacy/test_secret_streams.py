@@ -67,6 +67,56 @@ def test_parallel_chunks_draw_what_one_thread_draws():
     assert abs(serial.mean()) < 0.01 and serial.std() == pytest.approx(1.0, abs=0.01)
 
 
+def test_the_noise_is_numpys_ziggurat_on_philox_words_at_the_draws_counter():
+    """The format, from numpy directly: draw k's chunk c is `standard_normal` of
+    Philox(key, counter (0, c, k, 0)); the key's low 64 bits first. Two draws through one
+    source's threads, so the pool kept between draws cannot mix them."""
+    key = (0x0123456789ABCDEF << 64) | 0xFEDCBA9876543210
+    noise = GaussianNoise(SecretStream(key), threads=2)
+    n = 2 * CHUNK + 17
+    made = [noise.standard_normal(n) for _ in range(2)]
+    noise.close()
+    words = np.array([key & (2**64 - 1), key >> 64], dtype=np.uint64)
+    for k, drawn in enumerate(made):
+        expected = [np.random.Generator(np.random.Philox(key=words, counter=[0, c, k, 0])).standard_normal(min(CHUNK, n - c * CHUNK)) for c in range(3)]
+        assert np.array_equal(drawn, np.concatenate(expected))
+
+
+def test_the_tail_generator_is_made_only_for_a_draw_beyond_the_redraw():
+    made = []
+
+    def words():
+        made.append(1)
+        return np.random.default_rng(0).bit_generator.random_raw
+
+    assert np.array_equal(randomness_module.redraw_tail(np.array([0.5, -7.9]), words), [0.5, -7.9]) and not made
+    assert randomness_module.redraw_tail(np.array([0.5, 9.0]), words)[1] > randomness_module.TAIL_REDRAW and len(made) == 1
+
+
+def test_a_forked_child_draws_with_threads_of_its_own():
+    """The chunks' pool is kept between draws; a child forked after a draw inherits it without its
+    threads, and would wait forever on it."""
+    import multiprocessing
+
+    noise = GaussianNoise(SecretStream(5), threads=2)
+    parent = noise.standard_normal(2 * CHUNK)  # the pool now exists, with its threads
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child_process = context.Process(target=lambda: results.put(noise.standard_normal(2 * CHUNK)))  # forked: nothing pickled
+    child_process.start()
+    try:
+        child = results.get(timeout=30)  # the old pool's threads are not in the child: without its own, this times out
+    finally:
+        child_process.kill()  # a child stuck on the inherited pool must not outlive the test
+        child_process.join()
+    again = noise.standard_normal(2 * CHUNK)
+    noise.close()
+    reference = GaussianNoise(SecretStream(5), threads=1)
+    assert np.array_equal(parent, reference.standard_normal(2 * CHUNK))
+    assert np.array_equal(child, reference.standard_normal(2 * CHUNK))  # the child made draw 1 of its copy
+    assert np.array_equal(again, child)  # the parent's position moved on to draw 1 as well
+
+
 def test_truncated_lots_are_uniform_subsets_of_the_poisson_lot():
     full = PoissonLotSampler(500, 0.2, SecretStream(8))
     capped = PoissonLotSampler(500, 0.2, SecretStream(8), max_lot_size=50)
