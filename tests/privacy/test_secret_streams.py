@@ -4,6 +4,8 @@ noise reaches past the tail the release's analysis covers."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import numpy as np
 import pytest
 
@@ -93,11 +95,11 @@ def test_the_tail_generator_is_made_only_for_a_draw_beyond_the_redraw():
     assert randomness_module.redraw_tail(np.array([0.5, 9.0]), words)[1] > randomness_module.TAIL_REDRAW and len(made) == 1
 
 
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+@pytest.mark.filterwarnings("ignore:.*multi-threaded.*fork:DeprecationWarning")  # the point of the test
 def test_a_forked_child_draws_with_threads_of_its_own():
     """The chunks' pool is kept between draws; a child forked after a draw inherits it without its
     threads, and would wait forever on it."""
-    import multiprocessing
-
     noise = GaussianNoise(SecretStream(5), threads=2)
     parent = noise.standard_normal(2 * CHUNK)  # the pool now exists, with its threads
     context = multiprocessing.get_context("fork")

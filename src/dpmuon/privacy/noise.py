@@ -58,9 +58,9 @@ class GaussianNoise:
         self._next: _Ahead | None = None
         self._buffers: list[torch.Tensor] = []  # reused from release to release: no page faults per step
         self._filler: ThreadPoolExecutor | None = None
-        # The chunks' threads, kept from draw to draw: starting a pool for each parameter's draw
-        # cost 0.4 ms, a third of the noise of a 52-matrix model. Its process id: a forked child
-        # inherits the pool but none of its threads, so it starts its own.
+        # The chunks' threads, kept from draw to draw: a pool started for each parameter's draw,
+        # its threads' memory new each time, cost 7–12% of a release (scripts/bench_noise_draws.py).
+        # Its process id: a forked child inherits the pool but none of its threads, so it starts its own.
         self._pool: tuple[int, ThreadPoolExecutor] | None = None
         self._pool_lock = threading.Lock()  # the draw-ahead thread and the caller may both draw
 

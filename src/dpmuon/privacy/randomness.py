@@ -74,7 +74,7 @@ class SecretStream:
             def normals(n: int) -> np.ndarray:
                 z = self._generator(chunk, draw, 0).standard_normal(n)
                 # The tail's generator is made only for a draw that needs it (1.2e-15 a normal): a
-                # generator costs 30 µs, which at 420 LoRA matrices a step was as much as drawing them.
+                # generator costs about 30 µs, near half of drawing a small LoRA matrix's 4,608 normals.
                 return redraw_tail(z, lambda: self._generator(chunk, draw, 1).bit_generator.random_raw)
 
             return normals
