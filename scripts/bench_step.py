@@ -352,9 +352,18 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _reset_peak_rss() -> None:
+    """Set this process's peak RSS (VmHWM) to its current RSS. Where the kernel refuses, the peak
+    keeps what came before (the imports' transient peak, or an earlier step's): an overestimate."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def peak_memory_mib(config: Config, args, lots: Lots, device) -> tuple[float, float]:
     """Peak memory of building the configuration and running two steps (the first also
-    allocates the optimizer state and runs the engine's one-off checks), in this process; and the
+    allocates the optimizer state and runs the release's one-off checks), in this process; and the
     peak of the second step alone (what every later step reaches), both above the same baseline."""
     cfg = compose_config(*config.overrides)  # before the baseline: composing is not the step's memory
     cuda = device.type == "cuda"
@@ -362,10 +371,7 @@ def peak_memory_mib(config: Config, args, lots: Lots, device) -> tuple[float, fl
         torch.cuda.reset_peak_memory_stats(device)
     else:
         baseline = _rss_kib("VmRSS")
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
-        except OSError:
-            pass  # without the reset, VmHWM includes the imports' transient peak: an overestimate
+        _reset_peak_rss()
     runner = Runner(cfg, args.model, args.lot, device, args.lora_r, config.variant)
     runner.step(lots.of(config))
     if cuda:
@@ -375,10 +381,7 @@ def peak_memory_mib(config: Config, args, lots: Lots, device) -> tuple[float, fl
         later = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         first = (_rss_kib("VmHWM") - baseline) / 1024
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass  # as above: `later` is then the whole peak again
+        _reset_peak_rss()
         runner.step(lots.of(config))
         later = (_rss_kib("VmHWM") - baseline) / 1024
     return max(first, later), later
@@ -430,7 +433,7 @@ def summarize(configs, times, peaks, lot: int) -> list[dict[str, Any]]:
             "optimizer_s": optimizer_s,
             "optimizer_share": optimizer_s / (release_s + optimizer_s),
             "peak_mib": peaks[config][0] if config in peaks else None,
-            # The one-off work of a first step (the fast engine's check on a public stand-in of the
+            # The one-off work of a first step (the release's checks on a public stand-in of the
             # first micro-batch, the optimizer state) is in peak_mib; every later step peaks here.
             "peak_mib_later_steps": peaks[config][1] if config in peaks else None,
         }
